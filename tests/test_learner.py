@@ -1,0 +1,99 @@
+"""The learner's step: switches, stop-gradients, and environment inference on a synthetic stream."""
+import pytest
+import torch
+
+from vase.config import build_config
+from vase.learner import Learner
+
+TINY = ["model.channels=8,8,8,8", "model.hidden=32", "model.latents=6", "model.k_max=4", "dream.batch_size=8",
+        "train.batch_size=16"]
+
+
+def squares(n, gen, half):
+    """Squares of side 12 at random positions in the left (half=0) or right (half=1) half."""
+    x = torch.zeros(n, 1, 64, 64)
+    for i in range(n):
+        r = int(torch.randint(0, 52, (1,), generator=gen))
+        c = int(torch.randint(0, 20, (1,), generator=gen)) + 32 * half
+        x[i, 0, r:r + 12, c:c + 12] = 1.0
+    return x
+
+
+def learner(ablation="SDA", extra=()):
+    return Learner(build_config("cpu", TINY + list(extra), ablation))
+
+
+def test_classifier_does_not_move_encoder_weights():
+    lrn = learner()
+    x = squares(16, torch.Generator().manual_seed(0), 0)
+    post = lrn.model.encoder(x)
+    before = [p.detach().clone() for p in lrn.model.encoder.parameters()]
+    lrn._train_classifier(lrn.classifier(post.hidden), 0, 16, None)
+    assert all(torch.equal(a, b) for a, b in zip(before, lrn.model.encoder.parameters()))
+    assert all(p.grad is None for p in lrn.model.encoder.parameters())
+
+
+@pytest.mark.parametrize("ablation", ["-", "S", "D", "A", "SA", "DA", "SD", "SDA", "SD-[41]"])
+def test_switches_turn_mechanisms_off(ablation):
+    lrn = learner(ablation, ["inference.patience=1", "inference.cooldown=0", "dream.snapshot_every=1"])
+    gen = torch.Generator().manual_seed(0)
+    outs = [lrn.training_step(squares(16, gen, i // 4 % 2)) for i in range(8)]
+    assert lrn.cfg.ablation() == ablation
+    if "A" not in ablation:
+        assert all(torch.equal(o.mask, torch.ones(6)) for o in outs)
+    if "S" not in ablation:
+        assert lrn.inference.n_envs == 1 and all(o.decision.env == 0 for o in outs)
+        assert all("classifier" not in o.losses for o in outs)
+    if "D" not in ablation:
+        assert all("dream_encoder" not in o.losses for o in outs)
+    else:
+        # With S off the dreams come from environment 0 itself; with S on only from past ones.
+        dreamed = [o for o in outs if "dream_encoder" in o.losses]
+        assert dreamed if "S" not in ablation else all(lrn.inference.n_envs > 1 for _ in dreamed)
+        assert all(("dream_decoder" in o.losses) == (ablation != "SD-[41]") for o in dreamed)
+
+
+def test_identical_snapshot_gives_zero_dream_loss_in_the_step():
+    lrn = learner("D")
+    x = squares(16, torch.Generator().manual_seed(0), 0)
+    lrn.training_step(x)  # allocates environment 0
+    lrn.snapshot.sync(lrn.model)
+    out = lrn.training_step(x)  # dreams of env 0 (S off) from a snapshot identical to the model
+    assert out.losses["dream_encoder"] == pytest.approx(0.0, abs=1e-6)
+    assert out.losses["dream_decoder"] == pytest.approx(0.0, abs=1e-3)
+    out = lrn.training_step(x)  # one update later the model has moved away from the snapshot
+    assert out.losses["dream_encoder"] > 0.0 and out.losses["dream_decoder"] > 0.0
+
+
+def test_masked_latents_get_no_gradient_in_the_step():
+    lrn = learner("A", ["mask.lambda_low=0.01", "mask.lambda_high=0.02"])
+    x = squares(16, torch.Generator().manual_seed(0), 0)
+    lrn.training_step(x)
+    mask = lrn.masks.mask(0).clone()
+    lrn.masks.masks[0] = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0])  # force two latents off
+    lrn.cfg.mask.lambda_high = 1e9  # and keep them off during the step
+    post = lrn.model.encoder(x)
+    out = lrn.training_step(x)
+    head = lrn.model.encoder.head
+    # Rows of the head that produce mu and logvar of masked latents 1 and 3 receive no gradient.
+    g = head.weight.grad
+    assert torch.all(g[[1, 3, 6 + 1, 6 + 3]] == 0)
+    assert torch.any(g[[0, 2]] != 0)
+    assert out.mask.tolist() == [1.0, 0.0, 1.0, 0.0, 1.0, 1.0]
+    del mask, post
+
+
+@pytest.mark.slow
+def test_synthetic_two_environment_stream_gets_exactly_two_environments():
+    torch.manual_seed(0)
+    lrn = learner("SDA", ["inference.patience=5", "inference.cooldown=50", "objective.capacity_ramp_steps=200",
+                          "train.lr=1e-3"])
+    gen = torch.Generator().manual_seed(0)
+    steps = 300
+    assigned = []
+    for i in range(2 * steps):
+        out = lrn.training_step(squares(16, gen, i // steps))
+        assigned.append(out.decision.env)
+    assert lrn.inference.n_envs == 2
+    assert set(assigned[:steps]) == {0}
+    assert assigned[-1] == 1 and assigned.index(1) - steps < 50

@@ -1,0 +1,47 @@
+"""A: atypicality (eq. 4) and the hysteresis mask (eq. 5)."""
+import torch
+
+from vase.config import MaskConfig
+from vase.masking import LatentMasks, atypicality, hysteresis
+
+
+def test_alpha_is_zero_for_prior_matching_posteriors():
+    # Posteriors N(mu_b, s^2) whose mixture has mean 0 and variance 1: mu ~ +-0.6, s^2 = 0.64.
+    mu = torch.tensor([[0.6], [-0.6]]).repeat(50, 1)
+    logvar = torch.full_like(mu, torch.log(torch.tensor(0.64)).item())
+    assert float(atypicality(mu, logvar)) < 1e-6
+    # The plain prior posterior too.
+    assert float(atypicality(torch.zeros(10, 3), torch.zeros(10, 3)).abs().max()) < 1e-6
+
+
+def test_alpha_is_large_for_collapsed_or_shifted_latents():
+    collapsed = atypicality(torch.full((32, 1), 0.3), torch.full((32, 1), -6.0))
+    shifted = atypicality(torch.full((32, 1), 3.0) + 0.1 * torch.randn(32, 1), torch.zeros(32, 1))
+    assert float(collapsed) > 2.0
+    assert float(shifted) > 4.0
+
+
+def test_alpha_matches_moment_formula():
+    mu, logvar = torch.tensor([[1.0], [3.0]]), torch.tensor([[0.0], [0.0]])
+    m, v = 2.0, (1 + 1 + 1 + 9) / 2 - 4  # mean(sigma^2 + mu^2) - m^2 = 2
+    expected = 0.5 * (v + m * m - 1 - torch.log(torch.tensor(v)))
+    assert torch.allclose(atypicality(mu, logvar), expected.reshape(1))
+
+
+def test_hysteresis_keeps_state_between_thresholds():
+    cfg = MaskConfig(lambda_low=1.0, lambda_high=2.0)
+    prev = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 0.0])
+    alpha = torch.tensor([1.5, 1.5, 2.5, 2.5, 0.5, 0.5])
+    assert torch.equal(hysteresis(alpha, prev, cfg), torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0]))
+
+
+def test_masks_per_environment_and_switch_off():
+    cfg = MaskConfig(lambda_low=0.5, lambda_high=1.0, ema=0.0)
+    masks = LatentMasks(k_max=3, latents=2, cfg=cfg)
+    masks.update(0, torch.tensor([3.0, 0.0]))
+    masks.update(1, torch.tensor([0.0, 3.0]))
+    assert torch.equal(masks.mask(0), torch.tensor([0.0, 1.0]))
+    assert torch.equal(masks.mask(1), torch.tensor([1.0, 0.0]))
+    assert torch.equal(masks.mask(2), torch.ones(2))  # an unused slot leaves every latent free
+    cfg.enabled = False
+    assert torch.equal(masks.mask(0), torch.ones(2))

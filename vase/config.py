@@ -1,0 +1,343 @@
+"""One typed config for a VASE run.
+
+Every number the paper leaves unpublished is a named field here, tagged in its comment with where
+it comes from ([paper], [appendix], [related], [ours]) as in VASE_SPEC.md. Presets are JSON files
+in ``vase/presets``; any field can be overridden as ``section.field=value``. The resolved config is
+written into every run directory (``config.json``) and stored in every checkpoint.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from vase.errors import ConfigError
+
+CONFIG_VERSION = 1
+PRESET_DIR = Path(__file__).parent / "presets"
+DATA_ROOT_ENV = "VASE_DATA_ROOT"
+DEFAULT_DATA_ROOT = "datasets"
+
+
+@dataclass
+class DataConfig:
+    # Comma-separated environment names, trained in this order (spec §9).
+    sequence: str = "moving_shapes_a,shapes_b,moving_shapes_b"
+    # Training steps per environment: one int for all, or a comma list with one per environment.
+    steps_per_env: str = "2000"
+    # Where downloaded, imported and cached data lives; VASE_DATA_ROOT overrides the default.
+    root: str = ""
+    download: bool = False
+    # Pre-rendered training images per sprite environment (rendered once, cached under root).
+    sprite_train_size: int = 20000
+    sprite_test_size: int = 2000
+    # Shapes per sprite set; sets A and B are disjoint [ours].
+    shapes_per_set: int = 3
+    # Factor grid resolution of the sprite renderer; scale/orientation vary only if enabled [ours].
+    sprite_vary_scale: bool = False
+    sprite_vary_orientation: bool = False
+    # Seed of the procedural shapes and of the moving-digit offsets (the data, not the training).
+    data_seed: int = 0
+
+    def resolved_root(self) -> Path:
+        return Path(self.root or os.environ.get(DATA_ROOT_ENV) or DEFAULT_DATA_ROOT)
+
+    def env_names(self) -> list[str]:
+        return [s.strip() for s in self.sequence.split(",") if s.strip()]
+
+    def env_steps(self) -> list[int]:
+        names = self.env_names()
+        parts = [p.strip() for p in str(self.steps_per_env).split(",") if p.strip()]
+        try:
+            steps = [int(p) for p in parts]
+        except ValueError as e:
+            raise ConfigError(f"data.steps_per_env must be integers, got {self.steps_per_env!r}") from e
+        if len(steps) == 1:
+            steps = steps * len(names)
+        if len(steps) != len(names):
+            raise ConfigError(
+                f"data.steps_per_env has {len(steps)} entries but the sequence has {len(names)} environments"
+            )
+        return steps
+
+
+@dataclass
+class ModelConfig:
+    # Conv channels of the 4 encoder convs (decoder mirrors them). paper: 64,64,128,128 [appendix].
+    channels: str = "32,32,32,32"
+    hidden: int = 256  # fc width [appendix]
+    latents: int = 24  # [appendix]
+    k_max: int = 8  # environment slots of the decoder one-hot and the classifier [ours]
+    image_channels: int = 1
+    # channels_last is several times faster for some conv shapes on CPU (spec §2, measured by bench).
+    channels_last: bool = True
+
+    def channel_list(self) -> list[int]:
+        return [int(c) for c in self.channels.split(",")]
+
+
+@dataclass
+class ObjectiveConfig:
+    # "disentangled": eq. 3 capacity objective; "entangled": plain VAE, beta = 1 (Table 1).
+    mode: str = "disentangled"
+    gamma: float = 100.0  # [appendix, quoted elsewhere]; Burgess et al. use 1000
+    capacity_max: float = 25.0  # nats [related]
+    # Linear ramp of C(t) over the global step (a pure function of the step) [ours].
+    capacity_ramp_steps: int = 3000
+
+
+@dataclass
+class MaskConfig:
+    # A: atypicality mask (eq. 4-5) with hysteresis lambda1 < lambda2 [ours, calibrated].
+    enabled: bool = True
+    lambda_low: float = 0.5
+    lambda_high: float = 1.5
+    # EMA of alpha over recent batches before thresholding (0 = no smoothing) [ours].
+    ema: float = 0.9
+
+
+@dataclass
+class InferenceConfig:
+    # S: environment inference (eq. 6).
+    enabled: bool = True
+    kappa: float = 1.5  # reconstruction threshold multiple [ours, calibrated]
+    patience: int = 10  # consecutive "new" verdicts before allocating [ours]
+    error_ema: float = 0.95  # running reconstruction error L_s [ours]
+    # A latent counts as "used" by an environment when its KL exceeds this many nats [ours].
+    used_kl: float = 0.1
+    classifier_lr: float = 1e-3
+    # Steps after an allocation during which no further allocation happens [ours].
+    cooldown: int = 200
+
+
+@dataclass
+class DreamConfig:
+    # D: dreaming feedback (eq. 7).
+    enabled: bool = True
+    decoder_term: bool = True  # False gives the SD-[41] variant
+    snapshot_every: int = 1000  # tau [paper: a hyperparameter; value ours]
+    batch_size: int = 32
+    encoder_weight: float = 1.0
+    decoder_weight: float = 1.0
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 64
+    lr: float = 5e-4  # Adam [related: Burgess et al.]
+    seed: int = 0
+    threads: int = 0  # torch threads; 0 = library default
+    checkpoint_every: int = 1000
+    log_every: int = 50
+    image_every: int = 500
+    progress: bool = True
+
+
+@dataclass
+class ProbeConfig:
+    enabled: bool = True
+    every: int = 1000  # P: probe interval in steps [ours]
+    train_size: int = 2000
+    test_size: int = 1000
+    seed: int = 1234
+
+
+@dataclass
+class Config:
+    version: int = CONFIG_VERSION
+    preset: str = "cpu"
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    mask: MaskConfig = field(default_factory=MaskConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    dream: DreamConfig = field(default_factory=DreamConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
+
+    # -- ablation switches (Table 1) -------------------------------------------------------------
+    def ablation(self) -> str:
+        """The Table 1 row name of this config: '-', 'S', ..., 'SDA' or 'SD-[41]'."""
+        code = ("S" if self.inference.enabled else "") + ("D" if self.dream.enabled else "")
+        code += "A" if self.mask.enabled else ""
+        if self.dream.enabled and not self.dream.decoder_term:
+            return code + "-[41]"
+        return code or "-"
+
+    def set_ablation(self, code: str) -> None:
+        code = code.strip().upper()
+        sd41 = code == "SD-[41]"
+        letters = "SD" if sd41 else ("" if code == "-" else code)
+        if not set(letters) <= set("SDA") or len(set(letters)) != len(letters):
+            raise ConfigError(
+                f"unknown ablation {code!r}: use '-', a combination of S, D and A (e.g. SDA), or SD-[41]"
+            )
+        self.inference.enabled = "S" in letters
+        self.dream.enabled = "D" in letters
+        self.mask.enabled = "A" in letters
+        self.dream.decoder_term = not sd41
+
+    # -- serialisation -----------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["ablation"] = self.ablation()
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Config":
+        cfg = cls()
+        for key, value in d.items():
+            if key == "ablation":
+                continue
+            if key not in _field_types(cls):
+                raise ConfigError(f"unknown config key {key!r}")
+            sub = getattr(cfg, key)
+            if dataclasses.is_dataclass(sub):
+                if not isinstance(value, dict):
+                    raise ConfigError(f"config section {key!r} must be a mapping")
+                for k, v in value.items():
+                    _set_field(sub, k, v, f"{key}.{k}")
+            else:
+                setattr(cfg, key, _coerce(_field_types(cls)[key], value, key))
+        return cfg
+
+    def override(self, assignment: str) -> None:
+        """Apply one ``section.field=value`` override."""
+        if "=" not in assignment:
+            raise ConfigError(f"override {assignment!r} must look like section.field=value")
+        path, value = assignment.split("=", 1)
+        parts = path.strip().split(".")
+        if len(parts) != 2 or not dataclasses.is_dataclass(getattr(self, parts[0], None)):
+            raise ConfigError(
+                f"unknown setting {path!r}; settings are section.field with sections "
+                + ", ".join(f.name for f in fields(self) if dataclasses.is_dataclass(getattr(self, f.name)))
+            )
+        _set_field(getattr(self, parts[0]), parts[1], value, path)
+
+    def validate(self) -> "Config":
+        """Refuse impossible settings with one clear message each."""
+        errs = []
+        if self.mask.lambda_low >= self.mask.lambda_high:
+            errs.append(f"mask.lambda_low ({self.mask.lambda_low}) must be < mask.lambda_high ({self.mask.lambda_high})")
+        if self.train.batch_size <= 0:
+            errs.append("train.batch_size must be positive")
+        if self.dream.batch_size <= 0:
+            errs.append("dream.batch_size must be positive")
+        if self.model.k_max < 1:
+            errs.append("model.k_max must be at least 1")
+        if self.objective.gamma < 0:
+            errs.append("objective.gamma must be >= 0")
+        if self.objective.mode not in ("disentangled", "entangled"):
+            errs.append("objective.mode must be 'disentangled' or 'entangled'")
+        if self.objective.capacity_ramp_steps < 0:
+            errs.append("objective.capacity_ramp_steps must be >= 0")
+        if not 0.0 <= self.mask.ema < 1.0 or not 0.0 <= self.inference.error_ema < 1.0:
+            errs.append("mask.ema and inference.error_ema must be in [0, 1)")
+        if self.inference.patience < 1:
+            errs.append("inference.patience must be at least 1")
+        if self.dream.snapshot_every < 1:
+            errs.append("dream.snapshot_every must be at least 1")
+        for name in ("checkpoint_every", "log_every", "image_every"):
+            if getattr(self.train, name) < 1:
+                errs.append(f"train.{name} must be at least 1")
+        if self.probe.every < 1 or self.probe.train_size < 2 or self.probe.test_size < 1:
+            errs.append("probe.every, probe.train_size and probe.test_size must be positive")
+        if not self.data.env_names():
+            errs.append("data.sequence is empty")
+        try:
+            if any(s <= 0 for s in self.data.env_steps()):
+                errs.append("data.steps_per_env must be positive")
+        except ConfigError as e:
+            errs.append(str(e))
+        try:
+            chans = self.model.channel_list()
+            if len(chans) != 4 or any(c <= 0 for c in chans):
+                errs.append("model.channels must be 4 positive integers")
+        except ValueError:
+            errs.append(f"model.channels must be 4 comma-separated integers, got {self.model.channels!r}")
+        if self.model.latents < 1:
+            errs.append("model.latents must be at least 1")
+        if errs:
+            raise ConfigError("; ".join(errs))
+        return self
+
+
+def _field_types(cls) -> dict[str, Any]:
+    return get_type_hints(cls)
+
+
+def _coerce(typ: Any, value: Any, name: str) -> Any:
+    try:
+        if typ is bool:
+            if isinstance(value, str):
+                low = value.strip().lower()
+                if low in ("1", "true", "yes", "on"):
+                    return True
+                if low in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError(value)
+            return bool(value)
+        if typ is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError(value)
+            return int(value)
+        if typ is float:
+            return float(value)
+        if typ is str:
+            return str(value)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{name}: cannot read {value!r} as {typ.__name__}") from e
+    return value
+
+
+def _set_field(obj: Any, key: str, value: Any, name: str) -> None:
+    types = _field_types(type(obj))
+    if key not in types:
+        known = ", ".join(sorted(types))
+        raise ConfigError(f"unknown setting {name!r}; known fields: {known}")
+    setattr(obj, key, _coerce(types[key], value, name))
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+
+
+def load_preset(name: str) -> Config:
+    path = PRESET_DIR / f"{name}.json"
+    if not path.exists():
+        raise ConfigError(f"unknown preset {name!r}; known presets: {', '.join(preset_names())}")
+    cfg = Config.from_dict(json.loads(path.read_text()))
+    cfg.preset = name
+    return cfg
+
+
+def build_config(preset: str = "cpu", overrides: list[str] | None = None, ablation: str | None = None) -> Config:
+    cfg = load_preset(preset)
+    if ablation is not None:
+        cfg.set_ablation(ablation)
+    for o in overrides or []:
+        cfg.override(o)
+    return cfg.validate()
+
+
+def load_run_config(run_dir: Path) -> Config:
+    """The resolved config a run was started with (its config.json)."""
+    path = Path(run_dir) / "config.json"
+    try:
+        d = json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise ConfigError(f"{path} not found: is {run_dir} a vase run directory?") from e
+    except ValueError as e:
+        raise ConfigError(f"{path} is not valid JSON ({e})") from e
+    if d.get("version") != CONFIG_VERSION:
+        raise ConfigError(
+            f"{run_dir} was written with config version {d.get('version')}; this vase reads version "
+            f"{CONFIG_VERSION}, so the run cannot be resumed or evaluated by this code"
+        )
+    return Config.from_dict(d).validate()

@@ -1,0 +1,67 @@
+"""D: the dreaming feedback loop (eq. 7, spec §6)."""
+from __future__ import annotations
+
+import copy
+from typing import NamedTuple
+
+import torch
+from torch.nn import functional as F
+
+from vase.networks import VAE, Posterior
+
+
+class Dreams(NamedTuple):
+    """A batch imagined by the frozen snapshot (phi', theta')."""
+
+    z: torch.Tensor  # (B', N) prior samples
+    env: torch.Tensor  # (B',) past environments s'
+    x: torch.Tensor  # (B', C, 64, 64) sigmoid(decoder_theta'(z, s')): the dream images
+    logits: torch.Tensor  # the snapshot's decoder logits, for the decoder KL
+    posterior: Posterior  # q_phi'(z|x') of the snapshot encoder
+
+
+class Snapshot:
+    """A frozen copy of encoder and decoder, re-synced every tau steps and at each allocation."""
+
+    def __init__(self, model: VAE):
+        self.model = copy.deepcopy(model).requires_grad_(False).eval()
+
+    def sync(self, model: VAE) -> None:
+        self.model.load_state_dict(model.state_dict())
+
+    @torch.no_grad()
+    def dream(self, past: list[int], n: int, latents: int, generator: torch.Generator) -> Dreams:
+        """Sample s' uniformly from the past environments (per dream) and z ~ N(0, I), then decode.
+
+        Drawing s' per sample keeps the cost of a step independent of how many environments exist.
+        """
+        choice = torch.randint(len(past), (n,), generator=generator)
+        env = torch.tensor(past, dtype=torch.long)[choice]
+        z = torch.randn(n, latents, generator=generator)
+        logits = self.model.decoder(z, env)
+        x = torch.sigmoid(logits)
+        return Dreams(z, env, x, logits, self.model.encoder(x))
+
+    def state_dict(self) -> dict:
+        return self.model.state_dict()
+
+    def load_state_dict(self, d: dict) -> None:
+        self.model.load_state_dict(d)
+
+
+def encoder_proximity(current: Posterior, snapshot: Posterior) -> torch.Tensor:
+    """W2 between diagonal Gaussians, ||mu - mu'||^2 + ||sigma - sigma'||^2, mean over dreams (eq. 7)."""
+    sigma, sigma_old = (0.5 * current.logvar).exp(), (0.5 * snapshot.logvar).exp()
+    return ((current.mu - snapshot.mu).pow(2) + (sigma - sigma_old).pow(2)).sum(1).mean()
+
+
+def decoder_proximity(logits: torch.Tensor, snapshot_logits: torch.Tensor) -> torch.Tensor:
+    """KL(Bern(p_theta') || Bern(p_theta)) summed over pixels, mean over dreams (eq. 7).
+
+    KL(p'||p) = CE(p', p) - H(p'); both terms as BCE-with-logits for numerical stability, so
+    identical logits give exactly zero.
+    """
+    target = torch.sigmoid(snapshot_logits)
+    cross = F.binary_cross_entropy_with_logits(logits, target, reduction="none")
+    entropy = F.binary_cross_entropy_with_logits(snapshot_logits, target, reduction="none")
+    return (cross - entropy).flatten(1).sum(1).mean()

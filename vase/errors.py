@@ -1,0 +1,21 @@
+"""User-facing errors: the CLI prints these as one line, without a traceback."""
+
+
+class VaseError(Exception):
+    """An error caused by the user's input or environment, with a message that says how to fix it."""
+
+
+class ConfigError(VaseError):
+    """An impossible or unknown setting."""
+
+
+class DataError(VaseError):
+    """Missing, corrupt or unknown data."""
+
+
+class CheckpointError(VaseError):
+    """A checkpoint that cannot be trusted or used."""
+
+
+class NumericalError(VaseError):
+    """A NaN or Inf in a loss or gradient."""

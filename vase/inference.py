@@ -1,0 +1,167 @@
+"""S: environment inference (eq. 6, spec §5).
+
+The learner is never told which environment a batch comes from. For each batch it asks the
+auxiliary classifier for the most likely past environment s_hat, then accepts s_hat only if
+  (a) the batch reconstructs under s_hat with error <= kappa * L_s_hat, and
+  (b) the batch's own mask a(x) agrees with a^s_hat on the latents either of them uses;
+otherwise it allocates a new environment.
+
+Two [ours] additions make this usable on a real stream, each a named setting:
+- The current environment is tested as a second candidate when s_hat fails. Right after an
+  allocation the classifier has not learnt the new slot yet and would otherwise send every batch
+  of the new environment to an old slot, which then fails, and allocates again.
+- A "new" verdict must hold on `patience` consecutive batches (a single batch is a noisy witness),
+  and allocations are at least `cooldown` steps apart. While a verdict is pending the batch is
+  trained under the current environment, but that environment's statistics (L_s, usage, mask)
+  are not updated with it.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from vase.config import InferenceConfig
+from vase.masking import LatentMasks
+
+RECONSTRUCTION = "reconstruction"
+MASK = "mask"
+
+
+@dataclass
+class Decision:
+    step: int
+    env: int  # the environment this batch is trained under
+    predicted: int  # s_hat from the classifier
+    verdict: str  # "first", "same", "switch", "pending", "new" or "full"
+    reasons: list[str] = field(default_factory=list)  # why the candidates failed
+    error: float = float("nan")  # reconstruction error under the first candidate
+    threshold: float = float("nan")  # kappa * L for that candidate
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def allocated(self) -> bool:
+        return self.verdict in ("first", "new")
+
+
+class EnvironmentInference:
+    """State of eq. 6: environments allocated so far, their running errors L_s and latent usage."""
+
+    def __init__(self, cfg: InferenceConfig, k_max: int, latents: int, use_masks: bool):
+        self.cfg = cfg
+        self.k_max = k_max
+        self.use_masks = use_masks
+        self.n_envs = 0
+        self.current = 0
+        self.errors = torch.zeros(k_max)  # L_s
+        self.usage = torch.zeros(k_max, latents)  # running per-latent KL while training in s
+        self.recorded = torch.zeros(k_max, dtype=torch.bool)
+        self.pending = 0
+        self.last_allocation = -(10**9)
+        self.full_warned = False
+
+    # -- queries ----------------------------------------------------------------------------------
+    def past_environments(self) -> list[int]:
+        return [s for s in range(self.n_envs) if s != self.current]
+
+    def predict(self, probs: torch.Tensor) -> int:
+        """s_hat = argmax of the batch-averaged q_psi(s|x) over the allocated slots (spec §2)."""
+        return int(probs[: self.n_envs].argmax())
+
+    def failures(self, env: int, error: float, alpha: torch.Tensor, kl: torch.Tensor, masks: LatentMasks) -> list[str]:
+        """Which conditions of eq. 6 the batch fails for candidate `env` (empty list: it passes)."""
+        reasons = []
+        if error > self.cfg.kappa * float(self.errors[env]):
+            reasons.append(RECONSTRUCTION)
+        if self.use_masks:
+            a_env = masks.mask(env).bool()
+            a_x = masks.batch_mask(alpha, env).bool()
+            used = (a_env & (self.usage[env] > self.cfg.used_kl)) | (a_x & (kl > self.cfg.used_kl))
+            if bool(((a_x != a_env) & used).any()):
+                reasons.append(MASK)
+        return reasons
+
+    # -- the decision -----------------------------------------------------------------------------
+    def infer(
+        self,
+        step: int,
+        probs: torch.Tensor,
+        alpha: torch.Tensor,
+        kl: torch.Tensor,
+        masks: LatentMasks,
+        error_under: Callable[[int], float],
+    ) -> Decision:
+        """Decide the environment of one batch (eq. 6). `error_under(s)` reconstructs it under s."""
+        if self.n_envs == 0:
+            return self._allocate(step, 0, "first", [])
+        predicted = self.predict(probs)
+        candidates = [predicted] + ([self.current] if self.current != predicted else [])
+        first = None
+        for env in candidates:
+            error = error_under(env)
+            reasons = self.failures(env, error, alpha, kl, masks)
+            if first is None:
+                first = (reasons, error, self.cfg.kappa * float(self.errors[env]))
+            if not reasons:
+                verdict = "same" if env == self.current else "switch"
+                self.current, self.pending = env, 0
+                return Decision(step, env, predicted, verdict, first[0], first[1], first[2])
+        reasons, error, threshold = first
+        self.pending += 1
+        waiting = self.pending < self.cfg.patience or step - self.last_allocation < self.cfg.cooldown
+        if waiting:
+            return Decision(step, self.current, predicted, "pending", reasons, error, threshold)
+        if self.n_envs >= self.k_max:
+            if not self.full_warned:
+                warnings.warn(
+                    f"step {step}: the stream looks like a new environment but all {self.k_max} slots "
+                    f"(model.k_max) are used; training continues in environment {self.current}",
+                    stacklevel=2,
+                )
+                self.full_warned = True
+            self.pending = 0
+            return Decision(step, self.current, predicted, "full", reasons, error, threshold)
+        decision = self._allocate(step, self.n_envs, "new", reasons)
+        decision.predicted, decision.error, decision.threshold = predicted, error, threshold
+        return decision
+
+    def _allocate(self, step: int, env: int, verdict: str, reasons: list[str]) -> Decision:
+        self.n_envs = env + 1
+        self.current = env
+        self.pending = 0
+        self.last_allocation = step
+        self.recorded[env] = False
+        return Decision(step, env, env, verdict, reasons)
+
+    def record(self, env: int, error: float, kl: torch.Tensor) -> None:
+        """Fold a trained batch into L_env and the latent usage of env."""
+        if not self.recorded[env]:
+            self.errors[env], self.usage[env] = error, kl
+            self.recorded[env] = True
+            return
+        e = self.cfg.error_ema
+        self.errors[env] = e * self.errors[env] + (1 - e) * error
+        self.usage[env] = e * self.usage[env] + (1 - e) * kl
+
+    # -- checkpointing ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "n_envs": self.n_envs,
+            "current": self.current,
+            "errors": self.errors.clone(),
+            "usage": self.usage.clone(),
+            "recorded": self.recorded.clone(),
+            "pending": self.pending,
+            "last_allocation": self.last_allocation,
+            "full_warned": self.full_warned,
+        }
+
+    def load_state_dict(self, d: dict) -> None:
+        self.n_envs, self.current = int(d["n_envs"]), int(d["current"])
+        self.errors, self.usage, self.recorded = d["errors"].clone(), d["usage"].clone(), d["recorded"].clone()
+        self.pending, self.last_allocation = int(d["pending"]), int(d["last_allocation"])
+        self.full_warned = bool(d["full_warned"])

@@ -1,0 +1,70 @@
+"""A: latent masks from atypicality (eq. 4-5, spec §4)."""
+from __future__ import annotations
+
+import torch
+
+from vase.config import MaskConfig
+
+
+def atypicality(mu: torch.Tensor, logvar: torch.Tensor) -> torch.Tensor:
+    """alpha_n = KL(E_batch[q(z_n|x)] || N(0,1)) (eq. 4), one value per latent (N,).
+
+    The batch aggregate is a Gaussian mixture; we replace it by the Gaussian with the mixture's
+    first two moments (spec §4), whose KL to N(0,1) is closed-form.
+    """
+    m = mu.mean(0)
+    v = (logvar.exp() + mu.pow(2)).mean(0) - m.pow(2)
+    v = v.clamp_min(1e-8)
+    return 0.5 * (v + m.pow(2) - 1.0 - v.log())
+
+
+def hysteresis(alpha: torch.Tensor, previous: torch.Tensor, cfg: MaskConfig) -> torch.Tensor:
+    """Eq. 5 with two thresholds: off above lambda_high, on below lambda_low, else unchanged."""
+    on = alpha < cfg.lambda_low
+    off = alpha > cfg.lambda_high
+    return torch.where(off, torch.zeros_like(previous), torch.where(on, torch.ones_like(previous), previous))
+
+
+class LatentMasks:
+    """One mask a^s per environment slot, plus the smoothed atypicality that drives it.
+
+    A new slot starts with every latent on: unused latents have alpha ~ 0 and are spare capacity.
+    """
+
+    def __init__(self, k_max: int, latents: int, cfg: MaskConfig):
+        self.cfg = cfg
+        self.masks = torch.ones(k_max, latents)
+        self.alpha = torch.zeros(k_max, latents)
+        self.initialised = torch.zeros(k_max, dtype=torch.bool)
+
+    def mask(self, env: int) -> torch.Tensor:
+        if not self.cfg.enabled:
+            return torch.ones_like(self.masks[env])
+        return self.masks[env]
+
+    def batch_mask(self, alpha: torch.Tensor, env: int) -> torch.Tensor:
+        """a(x) for the agreement test of eq. 6: the hysteresis rule relative to a^env."""
+        return hysteresis(alpha, self.mask(env), self.cfg)
+
+    def start(self, env: int, alpha: torch.Tensor) -> None:
+        """A newly allocated environment takes the batch's own mask (its latents' typicality now)."""
+        self.alpha[env] = alpha
+        self.masks[env] = hysteresis(alpha, torch.ones_like(alpha), self.cfg)
+        self.initialised[env] = True
+
+    def update(self, env: int, alpha: torch.Tensor) -> torch.Tensor:
+        """Fold one batch's alpha into a^env (EMA then hysteresis) and return the new mask."""
+        if not self.initialised[env]:
+            self.start(env, alpha)
+        else:
+            self.alpha[env] = self.cfg.ema * self.alpha[env] + (1 - self.cfg.ema) * alpha
+            self.masks[env] = hysteresis(self.alpha[env], self.masks[env], self.cfg)
+        return self.mask(env)
+
+    def state_dict(self) -> dict:
+        return {"masks": self.masks.clone(), "alpha": self.alpha.clone(), "initialised": self.initialised.clone()}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.masks = d["masks"].clone()
+        self.alpha = d["alpha"].clone()
+        self.initialised = d["initialised"].clone()

@@ -1,0 +1,101 @@
+"""Encoder q_phi(z|x), decoder p_theta(x|z,s) and environment classifier q_psi(s|x) (spec §2)."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from vase.config import ModelConfig
+
+IMAGE_SIZE = 64
+# Four stride-2 convs take 64x64 down to 4x4.
+FEATURE_SIZE = IMAGE_SIZE // 16
+
+
+class Posterior(NamedTuple):
+    mu: torch.Tensor  # (B, N)
+    logvar: torch.Tensor  # (B, N)
+    hidden: torch.Tensor  # (B, hidden): the last hidden layer, input of the classifier q_psi
+
+
+def _conv_stack(channels: list[int], transposed: bool) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    conv = nn.ConvTranspose2d if transposed else nn.Conv2d
+    for i, (cin, cout) in enumerate(zip(channels[:-1], channels[1:])):
+        layers.append(conv(cin, cout, kernel_size=4, stride=2, padding=1))
+        # The decoder's last layer emits Bernoulli logits, so no ReLU after it.
+        if not (transposed and i == len(channels) - 2):
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+class Encoder(nn.Module):
+    """4 convs 4x4/2 -> fc hidden -> (mu, log sigma^2). mu and sigma never see s (eq. 2)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        chans = cfg.channel_list()
+        self.convs = _conv_stack([cfg.image_channels, *chans], transposed=False)
+        self.fc = nn.Linear(chans[-1] * FEATURE_SIZE * FEATURE_SIZE, cfg.hidden)
+        self.head = nn.Linear(cfg.hidden, 2 * cfg.latents)
+        self.channels_last = cfg.channels_last
+
+    def forward(self, x: torch.Tensor) -> Posterior:
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        h = self.convs(x)
+        h = F.relu(self.fc(h.flatten(1)))
+        mu, logvar = self.head(h).chunk(2, dim=1)
+        return Posterior(mu, logvar, h)
+
+
+class Decoder(nn.Module):
+    """[z ; one-hot(s)] -> fc hidden -> fc -> 4x4 map -> 4 transposed convs -> Bernoulli logits.
+
+    The spec lists the transposed convs as 128->64->64->C, but four stride-2 steps are needed to
+    get from 4x4 back to 64x64, so the decoder mirrors the encoder's channels exactly.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        chans = cfg.channel_list()
+        self.k_max = cfg.k_max
+        self.top_channels = chans[-1]
+        self.fc1 = nn.Linear(cfg.latents + cfg.k_max, cfg.hidden)
+        self.fc2 = nn.Linear(cfg.hidden, chans[-1] * FEATURE_SIZE * FEATURE_SIZE)
+        self.deconvs = _conv_stack([*reversed(chans), cfg.image_channels], transposed=True)
+        self.channels_last = cfg.channels_last
+
+    def forward(self, z: torch.Tensor, env: torch.Tensor) -> torch.Tensor:
+        """z: (B, N); env: (B,) int64 environment slots. Returns logits (B, C, 64, 64)."""
+        onehot = F.one_hot(env, self.k_max).to(z.dtype)
+        h = F.relu(self.fc1(torch.cat([z, onehot], dim=1)))
+        h = F.relu(self.fc2(h)).view(-1, self.top_channels, FEATURE_SIZE, FEATURE_SIZE)
+        if self.channels_last:
+            h = h.contiguous(memory_format=torch.channels_last)
+        return self.deconvs(h)
+
+
+class EnvironmentClassifier(nn.Module):
+    """q_psi(s|x): one linear layer on the encoder's last hidden layer (spec §2)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.linear = nn.Linear(cfg.hidden, cfg.k_max)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # Stop-gradient: the classifier must never move the encoder's weights (spec §2).
+        return self.linear(hidden.detach())
+
+
+class VAE(nn.Module):
+    """The encoder/decoder pair that the dreaming snapshot copies (phi, theta)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.encoder = Encoder(cfg)
+        self.decoder = Decoder(cfg)
+        if cfg.channels_last:
+            self.to(memory_format=torch.channels_last)

@@ -1,0 +1,259 @@
+"""The training loop over a sequence of environments: stream, probes, logging, checkpoints."""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.tensorboard import SummaryWriter
+from tqdm.auto import tqdm
+
+from vase.checkpoint import load_checkpoint, save_checkpoint
+from vase.config import Config
+from vase.data.environments import load_sequence
+from vase.errors import VaseError
+from vase.learner import Learner, StepOutput
+from vase.objective import reconstruction_nll
+from vase.probing import ProbeSuite
+from vase.stream import Stream
+from vase.visualize import mask_image, reconstruction_grid, traversal_grid
+
+# Held-out images per environment for the reconstruction-error matrix and the image panels.
+HELD_OUT = 512
+PANEL = 8
+
+
+def run_dir_for(cfg: Config, run_dir: str | None, root: str = "runs") -> Path:
+    if run_dir:
+        return Path(run_dir)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    name = cfg.ablation().replace("[", "").replace("]", "")
+    return Path(root) / f"{stamp}-{name}-{cfg.objective.mode}-seed{cfg.train.seed}"
+
+
+def prepare_run_dir(path: Path, resume: bool, overwrite: bool) -> None:
+    if resume:
+        if not (path / "checkpoints").is_dir():
+            raise VaseError(f"cannot resume {path}: it has no checkpoints directory")
+        return
+    if path.exists() and any(path.iterdir()):
+        if not overwrite:
+            raise VaseError(f"run directory {path} already exists; pass --resume to continue it or --overwrite to replace it")
+        shutil.rmtree(path)
+    path.mkdir(parents=True, exist_ok=True)
+
+
+@dataclass
+class RunRecord:
+    """Evaluation-side state that must survive a resume (plain containers only)."""
+
+    assigned: list[int]  # inferred environment of every step so far
+    events: list[dict]  # every decision other than "same" and "pending"
+    pending: int
+    alpha_steps: list[int]
+    alpha: list[list[float]]
+    recon_matrix: list[list[float]]  # [i][j]: held-out error of true env i after true env j
+    wall_time: float
+
+    @classmethod
+    def empty(cls) -> "RunRecord":
+        return cls([], [], 0, [], [], [], 0.0)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, run_dir: Path, progress: bool = True):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.progress = progress and cfg.train.progress
+        if cfg.train.threads > 0:
+            torch.set_num_threads(cfg.train.threads)
+        self.envs = load_sequence(cfg.data, "train", progress=self.progress)
+        self.test_envs = load_sequence(cfg.data, "test", progress=self.progress)
+        self.stream = Stream(self.envs, cfg.data.env_steps(), cfg.train.batch_size)
+        self.learner = Learner(cfg)
+        self.probes = ProbeSuite(self.test_envs, cfg.probe) if cfg.probe.enabled else None
+        self.record = RunRecord.empty()
+        self.held_out = [env.batch(torch.arange(min(HELD_OUT, len(env)))) for env in self.test_envs]
+        self.writer: SummaryWriter | None = None
+
+    # -- state -----------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "learner": self.learner.state_dict(),
+            "record": vars(self.record).copy(),
+            "probes": self.probes.state_dict() if self.probes else {},
+        }
+
+    def resume(self) -> int:
+        state, meta = load_checkpoint(self.run_dir)
+        self.learner.load_state_dict(state["learner"])
+        self.record = RunRecord(**state["record"])
+        if self.probes:
+            self.probes.load_state_dict(state["probes"])
+        return int(meta["step"])
+
+    def checkpoint(self) -> None:
+        save_checkpoint(self.run_dir, self.state_dict(), {"step": self.learner.step, "ablation": self.cfg.ablation()})
+
+    # -- the loop ----------------------------------------------------------------------------------------
+    def train(self, resume: bool = False) -> dict:
+        start = self.resume() if resume else 0
+        if not resume:
+            (self.run_dir / "config.json").write_text(self.cfg.to_json())
+        # purge_step drops events a killed run logged after its last checkpoint.
+        self.writer = SummaryWriter(str(self.run_dir / "tb"), purge_step=start if resume else None)
+        total = self.stream.total_steps
+        began = time.perf_counter() - self.record.wall_time
+        bar = tqdm(total=total, initial=start, disable=not self.progress, desc="vase train", unit="step")
+        try:
+            for step in range(start, total):
+                x = self.stream.batch(step, self.learner.generator)
+                out = self.learner.training_step(x)
+                self._record(out)
+                true_env = self.stream.env_index(step)
+                boundary = self.stream.is_boundary(step)
+                if (step + 1) % self.cfg.train.log_every == 0 or boundary:
+                    self._log_scalars(out, true_env)
+                    bar.set_postfix(env=f"{true_env}->{out.decision.env}", loss=f"{out.losses['total']:.1f}")
+                if (step + 1) % self.cfg.train.image_every == 0:
+                    self._log_reconstructions(step + 1, true_env)
+                if self.probes and ((step + 1) % self.cfg.probe.every == 0 or boundary):
+                    self._probe(step + 1, true_env if boundary else None)
+                if boundary:
+                    self._boundary(step + 1, true_env)
+                self.record.wall_time = time.perf_counter() - began
+                if boundary or (step + 1) % self.cfg.train.checkpoint_every == 0:
+                    self.checkpoint()
+                bar.update(1)
+        finally:
+            bar.close()
+            self.writer.close()
+        results = self.results()
+        (self.run_dir / "results.json").write_text(json.dumps(results, indent=2))
+        return results
+
+    # -- bookkeeping ------------------------------------------------------------------------------------
+    def _record(self, out: StepOutput) -> None:
+        d = out.decision
+        self.record.assigned.append(d.env)
+        if d.verdict == "pending":
+            self.record.pending += 1
+        elif d.verdict != "same":
+            self.record.events.append(d.as_dict())
+            if d.verdict in ("first", "new", "full"):
+                self.writer.add_text(
+                    "inference/events",
+                    f"step {d.step}: {d.verdict} -> environment {d.env} (predicted {d.predicted}; "
+                    f"failed on: {', '.join(d.reasons) or '-'}; error {d.error:.1f} vs threshold {d.threshold:.1f})",
+                    d.step,
+                )
+
+    def _log_scalars(self, out: StepOutput, true_env: int) -> None:
+        w, t = self.writer, out.step + 1
+        for name, value in out.losses.items():
+            w.add_scalar(f"loss/{name}", value, t)
+        w.add_scalar("capacity/C", out.extra["capacity"], t)
+        w.add_scalar("inference/assigned_env", out.decision.env, t)
+        w.add_scalar("inference/true_env", true_env, t)
+        w.add_scalar("inference/n_envs", self.learner.inference.n_envs, t)
+        for n in range(out.alpha.shape[0]):
+            w.add_scalar(f"kl/z{n:02d}", float(out.kl_per_latent[n]), t)
+            w.add_scalar(f"atypicality/z{n:02d}", float(out.alpha[n]), t)
+            w.add_scalar(f"mask/z{n:02d}", float(out.mask[n]), t)
+        self.record.alpha_steps.append(t)
+        self.record.alpha.append([float(a) for a in out.alpha])
+
+    def _log_reconstructions(self, step: int, true_env: int) -> None:
+        for i in range(true_env + 1):
+            x = self.held_out[i][:PANEL]
+            slot = self.learner.infer_slot(x)
+            self.writer.add_image(
+                f"reconstruction/{self.envs[i].name}", reconstruction_grid(x, self.learner.reconstruct_mean(x, slot)), step
+            )
+
+    def _probe(self, step: int, finished_env: int | None) -> None:
+        values = self.probes.evaluate(self.learner.encode_mean, step)
+        for name, value in values.items():
+            self.writer.add_scalar(f"probe/{name}", value, step)
+        if finished_env is not None:
+            self.probes.mark_boundary(finished_env, step)
+
+    @torch.no_grad()
+    def heldout_errors(self, upto: int) -> list[float]:
+        """Held-out reconstruction error (nats per image) of each true environment up to `upto`,
+        under the slot the classifier picks for it (0 when S is off), decoded from mu."""
+        errors = []
+        for x in self.held_out[: upto + 1]:
+            slot = self.learner.infer_slot(x)
+            recon = self.learner.reconstruct_mean(x, slot).clamp(1e-6, 1 - 1e-6)
+            errors.append(float(reconstruction_nll(torch.logit(recon), x).mean()))
+        return errors
+
+    def _boundary(self, step: int, true_env: int) -> None:
+        self.record.recon_matrix.append(self.heldout_errors(len(self.envs) - 1))
+        self._log_reconstructions(step, true_env)
+        for i in range(true_env + 1):
+            slot = self.learner.infer_slot(self.held_out[i][:PANEL])
+            grid = traversal_grid(self.learner, self.held_out[i][0], slot, self.cfg.inference.used_kl)
+            self.writer.add_image(f"traversal/{self.envs[i].name}", grid, step)
+        self.writer.add_image("mask/environments", mask_image(self.learner.masks.masks, self.learner.inference.n_envs), step)
+        self._log_figures(step)
+
+    def _log_figures(self, step: int) -> None:
+        from vase.metrics.plots import atypicality_figure, probe_curves_figure
+
+        ends = self.stream.ends
+        if self.record.alpha:
+            fig = atypicality_figure(
+                self.record.alpha_steps, torch.tensor(self.record.alpha).numpy(),
+                self.cfg.mask.lambda_low, self.cfg.mask.lambda_high, ends,
+            )
+            self.writer.add_image("figures/atypicality_profile", fig, step, dataformats="HWC")
+        if self.probes and self.probes.history:
+            fig = probe_curves_figure(self.probes.history, ends)
+            self.writer.add_image("figures/probe_curves", fig, step, dataformats="HWC")
+
+    # -- results ------------------------------------------------------------------------------------------
+    def inferred_environments(self) -> list[dict]:
+        """For each true environment: the slot most of its steps went to, and the allocation delay."""
+        rows, start = [], 0
+        assigned = torch.tensor(self.record.assigned, dtype=torch.long)
+        for env, end in zip(self.envs, self.stream.ends):
+            seg = assigned[start:end]
+            if len(seg) == 0:
+                break
+            majority = int(torch.mode(seg).values)
+            first = int((seg == majority).nonzero()[0])
+            rows.append({
+                "true_env": env.name,
+                "inferred_env": majority,
+                "share": float((seg == majority).float().mean()),
+                "delay_steps": first,
+            })
+            start = end
+        return rows
+
+    def results(self) -> dict:
+        out = {
+            "ablation": self.cfg.ablation(),
+            "mode": self.cfg.objective.mode,
+            "preset": self.cfg.preset,
+            "sequence": self.cfg.data.env_names(),
+            "steps_per_env": self.cfg.data.env_steps(),
+            "seed": self.cfg.train.seed,
+            "steps": self.learner.step,
+            "wall_time_s": round(self.record.wall_time, 1),
+            "environments_inferred": self.learner.inference.n_envs,
+            "environments_true": len(set(self.cfg.data.env_names())),
+            "inferred_vs_true": self.inferred_environments(),
+            "inference_events": self.record.events,
+            "pending_batches": self.record.pending,
+            "final_masks": self.learner.masks.masks[: max(1, self.learner.inference.n_envs)].int().tolist(),
+            "heldout_reconstruction_matrix": self.record.recon_matrix,
+        }
+        if self.probes:
+            out["probes"] = self.probes.results()
+        return out
