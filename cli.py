@@ -116,7 +116,7 @@ def train(preset, sequence, steps, ablation, entangled, seed, data_root, downloa
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON instead of a table.")
 def evaluate(run_dir, as_json):
     """Recompute probes and metrics from a run's checkpoints and print them."""
-    from vase.evaluate import evaluate_run
+    from vase.evaluation import evaluate_run
     from vase.report import summary_text
 
     try:

@@ -110,3 +110,18 @@ def load_checkpoint(run_dir: Path) -> tuple[dict, dict]:
     if any("incompatible" in p or "refused" in p for p in problems):
         raise CheckpointError(problems[0])
     raise CheckpointError("no usable checkpoint in " + str(directory) + ": " + "; ".join(problems))
+
+
+def save_weights(path: Path, state: dict[str, Any]) -> None:
+    """Atomically save a plain state dict (the encoder at a probe point, for `vase eval`)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    _write_atomic(Path(path), buffer.getvalue())
+
+
+def load_weights(path: Path) -> dict[str, Any]:
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as e:
+        raise CheckpointError(f"{path} cannot be loaded safely: {e}") from e

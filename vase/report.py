@@ -32,7 +32,7 @@ def summary_text(results: dict, run_dir: Path) -> str:
     if probes:
         from vase.metrics.continual import format_table1_row, table1_header
 
-        final = probes["history"][-1][1] if probes.get("history") else {}
+        final = probes["history"][-1]["values"] if probes.get("history") else {}
         if final:
             lines.append("final probes: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(final.items())))
         lines.append("Table 1 row:")

@@ -11,10 +11,11 @@ import torch
 from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
 
-from vase.checkpoint import load_checkpoint, save_checkpoint
+from vase.checkpoint import load_checkpoint, save_checkpoint, save_weights
 from vase.config import Config
 from vase.data.environments import load_sequence
 from vase.errors import VaseError
+from vase.evaluation import disentanglement_scores, encoder_path
 from vase.learner import Learner, StepOutput
 from vase.objective import reconstruction_nll
 from vase.probing import ProbeSuite
@@ -56,11 +57,12 @@ class RunRecord:
     alpha_steps: list[int]
     alpha: list[list[float]]
     recon_matrix: list[list[float]]  # [i][j]: held-out error of true env i after true env j
+    disentanglement: list[dict]  # MIG/DCI of the sprite environments at each boundary
     wall_time: float
 
     @classmethod
     def empty(cls) -> "RunRecord":
-        return cls([], [], 0, [], [], [], 0.0)
+        return cls([], [], 0, [], [], [], [], 0.0)
 
 
 class Trainer:
@@ -175,6 +177,8 @@ class Trainer:
             )
 
     def _probe(self, step: int, finished_env: int | None) -> None:
+        # The encoder at every probe point is kept, so `vase eval` can recompute these exact numbers.
+        save_weights(encoder_path(self.run_dir, step), self.learner.model.encoder.state_dict())
         values = self.probes.evaluate(self.learner.encode_mean, step)
         for name, value in values.items():
             self.writer.add_scalar(f"probe/{name}", value, step)
@@ -194,6 +198,11 @@ class Trainer:
 
     def _boundary(self, step: int, true_env: int) -> None:
         self.record.recon_matrix.append(self.heldout_errors(len(self.envs) - 1))
+        scores = disentanglement_scores(self.test_envs, self.learner.encode_mean, true_env, self.cfg.probe.seed)
+        self.record.disentanglement.append(scores)
+        for env, values in scores["scores"].items():
+            for name, value in values.items():
+                self.writer.add_scalar(f"disentanglement/{env}/{name}", value, step)
         self._log_reconstructions(step, true_env)
         for i in range(true_env + 1):
             slot = self.learner.infer_slot(self.held_out[i][:PANEL])
@@ -253,6 +262,7 @@ class Trainer:
             "pending_batches": self.record.pending,
             "final_masks": self.learner.masks.masks[: max(1, self.learner.inference.n_envs)].int().tolist(),
             "heldout_reconstruction_matrix": self.record.recon_matrix,
+            "disentanglement": self.record.disentanglement,
         }
         if self.probes:
             out["probes"] = self.probes.results()

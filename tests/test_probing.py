@@ -1,0 +1,212 @@
+"""Tests of the probe runner: fixed probe sets, correct probe values, no side effects, summaries."""
+import json
+import math
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from vase.errors import CheckpointError
+from vase.probing import ProbeSuite, draw_probe_sets
+
+N_CLASSES = 5
+NOISE = 8
+
+
+@dataclass
+class Cfg:  # the fields of vase.config.ProbeConfig that the suite reads
+    every: int = 10
+    train_size: int = 150
+    test_size: int = 100
+    seed: int = 7
+
+
+class FakeEnv:
+    """Images that carry their factors in fixed pixels, so an "oracle" encoder can read them.
+
+    Row 0 holds the one-hot class, row 1 the (x, y) position, row 2 per-item noise.
+    """
+
+    def __init__(self, name, n=300, moving=True, has_class=True, family="shapes", seed=0):
+        rng = np.random.default_rng(seed)
+        self.name, self.family, self.moving, self.n = name, family, moving, n
+        self.factors = {"x": rng.random(n).astype(np.float32), "y": rng.random(n).astype(np.float32)}
+        if has_class:
+            self.factors["class"] = rng.integers(0, N_CLASSES, n).astype(np.int64)
+        self.noise = rng.normal(size=(n, NOISE)).astype(np.float32)
+
+    def __len__(self):
+        return self.n
+
+    def batch(self, idx):
+        assert idx.dtype == torch.long
+        i = idx.numpy()
+        images = torch.zeros(len(i), 1, 64, 64)
+        if "class" in self.factors:
+            images[:, 0, 0, :N_CLASSES] = torch.from_numpy(np.eye(N_CLASSES, dtype=np.float32)[self.factors["class"][i]])
+        images[:, 0, 1, 0] = torch.from_numpy(self.factors["x"][i])
+        images[:, 0, 1, 1] = torch.from_numpy(self.factors["y"][i])
+        images[:, 0, 2, :NOISE] = torch.from_numpy(self.noise[i])
+        return images
+
+
+def oracle(images):
+    return torch.cat([images[:, 0, 0, :N_CLASSES], images[:, 0, 1, :2]], dim=1).numpy()
+
+
+def noise_only(images):
+    return images[:, 0, 2, :NOISE].numpy()
+
+
+@pytest.fixture
+def envs():
+    return [
+        FakeEnv("moving_a", seed=1),
+        FakeEnv("static_b", moving=False, seed=2),
+        FakeEnv("moving_b", seed=3),
+    ]
+
+
+def test_probe_names_per_environment(envs):
+    values = ProbeSuite(envs, Cfg()).evaluate(oracle, step=0)
+    assert sorted(values) == [
+        "object_id/moving_a",
+        "object_id/moving_b",
+        "object_id/static_b",
+        "position_mse/moving_a",
+        "position_mse/moving_b",
+    ]
+
+
+def test_oracle_codes_give_perfect_probes(envs):
+    values = ProbeSuite(envs, Cfg()).evaluate(oracle, step=0)
+    assert all(values[f"object_id/{e.name}"] == 1.0 for e in envs)
+    assert values["position_mse/moving_a"] < 1e-6 and values["position_mse/moving_b"] < 1e-6
+
+
+def test_uninformative_codes_give_chance(envs):
+    values = ProbeSuite(envs, Cfg(train_size=200, test_size=100)).evaluate(noise_only, step=0)
+    for e in envs:
+        assert abs(values[f"object_id/{e.name}"] - 1 / N_CLASSES) < 0.1
+    assert values["position_mse/moving_a"] == pytest.approx(1 / 12, rel=0.3)
+
+
+def test_evaluate_leaves_global_rng_and_model_untouched(envs):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64 * 64, 6)
+    params = [p.detach().clone() for p in linear.parameters()]
+
+    def encode(images):
+        return linear(images.flatten(1)).numpy()
+
+    def sampling_encode(images):  # draws from the global RNG on purpose
+        mu = linear(images.flatten(1))
+        return (mu + torch.randn_like(mu) + float(np.random.rand()) + random.random()).numpy()
+
+    torch_state, numpy_state, python_state = torch.get_rng_state(), np.random.get_state(), random.getstate()
+    suite = ProbeSuite(envs, Cfg())
+    suite.evaluate(encode, step=0)
+    suite.evaluate(sampling_encode, step=1)
+    assert torch.equal(torch.get_rng_state(), torch_state)
+    after = np.random.get_state()
+    assert after[0] == numpy_state[0] and np.array_equal(after[1], numpy_state[1]) and after[2:] == numpy_state[2:]
+    assert random.getstate() == python_state
+    assert all(torch.equal(p, q) for p, q in zip(linear.parameters(), params))
+    assert all(p.grad is None for p in linear.parameters())
+
+
+def test_probe_sets_fixed_by_seed(envs):
+    a, b, c = ProbeSuite(envs, Cfg(seed=1)), ProbeSuite(envs, Cfg(seed=1)), ProbeSuite(envs, Cfg(seed=2))
+    for (tr_a, te_a), (tr_b, te_b), (tr_c, _) in zip(a.sets, b.sets, c.sets):
+        assert np.array_equal(tr_a, tr_b) and np.array_equal(te_a, te_b)
+        assert not np.array_equal(tr_a, tr_c)
+        assert len(tr_a) == 150 and len(te_a) == 100 and not set(tr_a) & set(te_a)
+    # Each environment draws its own set (seed + env index), not the same permutation.
+    assert not np.array_equal(a.sets[0][0], a.sets[1][0])
+
+
+def test_small_environment_is_split_in_proportion():
+    train, test = draw_probe_sets(50, train_size=150, test_size=100, seed=0)
+    assert (len(train), len(test)) == (30, 20) and not set(train) & set(test)
+    with pytest.raises(ValueError):
+        draw_probe_sets(1, 150, 100, 0)
+
+
+def test_history_one_entry_per_step(envs):
+    suite = ProbeSuite(envs, Cfg())
+    suite.evaluate(noise_only, step=0)
+    suite.evaluate(oracle, step=0)
+    assert [s for s, _ in suite.history] == [0]
+    assert suite.history[0][1]["object_id/moving_a"] == 1.0
+    with pytest.raises(ValueError):
+        suite.evaluate(oracle, step=-1)
+
+
+def _hand_history():
+    # object_id/moving_a: max 0.8, change 0.5 - 0.8; object_id/static_b: max 0.9, change 0.7 - 0.9;
+    # position_mse/moving_a: min 0.002, change 0.004 - 0.002. Environment moving_b is last.
+    accs_a, accs_b, accs_c = [0.2, 0.8, 0.6, 0.5], [0.1, 0.3, 0.9, 0.7], [0.05, 0.1, 0.4, 0.6]
+    mse_a, mse_c = [0.08, 0.002, 0.003, 0.004], [0.09, 0.05, 0.04, 0.001]
+    return [
+        [step, {
+            "object_id/moving_a": accs_a[k], "object_id/static_b": accs_b[k], "object_id/moving_b": accs_c[k],
+            "position_mse/moving_a": mse_a[k], "position_mse/moving_b": mse_c[k],
+        }]
+        for k, step in enumerate([0, 10, 20, 30])
+    ]
+
+
+def _hand_suite(envs):
+    suite = ProbeSuite(envs, Cfg())
+    state = suite.state_dict()
+    state["history"] = _hand_history()
+    state["boundaries"] = [[0, 10], [1, 20], [2, 30]]
+    suite.load_state_dict(state)
+    return suite
+
+
+def test_results_table1_matrix_forgetting_hand_computed(envs):
+    results = _hand_suite(envs).results()
+    json.dumps(results, allow_nan=False)  # strict JSON
+    t1 = results["table1"]
+    assert t1["object_id_max"] == pytest.approx((0.8 + 0.9 + 0.6) / 3)
+    assert t1["object_id_change"] == pytest.approx(-0.25)
+    assert t1["position_min"] == pytest.approx(0.0015)
+    assert t1["position_change"] == pytest.approx(0.002)
+    assert results["boundaries"] == [10, 20, 30]
+    np.testing.assert_allclose(results["matrix"]["object_id"], [[0.8, 0.6, 0.5], [0.3, 0.9, 0.7], [0.1, 0.4, 0.6]])
+    assert results["matrix"]["position"][1] == [None, None, None]  # static_b has no position probe
+    assert results["forgetting"]["object_id"] == pytest.approx(0.25)
+    assert results["bwt"]["object_id"] == pytest.approx(-0.25)
+    assert results["forgetting"]["position"] == pytest.approx(0.002)
+    assert results["bwt"]["position"] == pytest.approx(-0.002)
+
+
+def test_state_dict_round_trip_and_mismatch(envs):
+    suite = ProbeSuite(envs, Cfg())
+    suite.evaluate(oracle, step=0)
+    suite.mark_boundary(0, 0)
+    state = json.loads(json.dumps(suite.state_dict()))  # plain python only
+    resumed = ProbeSuite(envs, Cfg())
+    resumed.load_state_dict(state)
+    assert resumed.history == suite.history and resumed.results() == suite.results()
+    with pytest.raises(CheckpointError):
+        ProbeSuite(envs, Cfg(seed=99)).load_state_dict(state)
+
+
+def test_boundaries_must_follow_the_sequence(envs):
+    suite = ProbeSuite(envs, Cfg())
+    suite.mark_boundary(1, 20)
+    with pytest.raises(ValueError):
+        suite.results()
+    with pytest.raises(ValueError):
+        suite.mark_boundary(3, 30)
+
+
+def test_repeated_environment_names_are_disambiguated():
+    envs = [FakeEnv("a", seed=1), FakeEnv("b", moving=False, has_class=False, seed=2), FakeEnv("a", seed=3)]
+    values = ProbeSuite(envs, Cfg()).evaluate(oracle, step=0)
+    assert sorted(values) == ["object_id/a#0", "object_id/a#2", "position_mse/a#0", "position_mse/a#2"]
+    assert all(not math.isnan(v) for v in values.values())
