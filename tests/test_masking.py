@@ -45,3 +45,26 @@ def test_masks_per_environment_and_switch_off():
     assert torch.equal(masks.mask(2), torch.ones(2))  # an unused slot leaves every latent free
     cfg.enabled = False
     assert torch.equal(masks.mask(0), torch.ones(2))
+
+
+def test_only_maskable_latents_can_be_switched_off():
+    cfg = MaskConfig(lambda_low=0.5, lambda_high=1.0, ema=0.0)
+    masks = LatentMasks(k_max=2, latents=3, cfg=cfg)
+    maskable = torch.tensor([True, False, True])
+    masks.update(0, torch.tensor([3.0, 3.0, 0.0]), maskable)
+    assert torch.equal(masks.mask(0), torch.tensor([0.0, 1.0, 1.0]))
+    # The batch mask of the agreement test follows the same rule.
+    assert torch.equal(masks.batch_mask(torch.tensor([3.0, 3.0, 3.0]), 0, maskable), torch.tensor([0.0, 1.0, 0.0]))
+
+
+def test_maskable_latents_are_those_other_environments_use():
+    from vase.config import InferenceConfig
+    from vase.inference import EnvironmentInference
+
+    inf = EnvironmentInference(InferenceConfig(used_kl=0.1), k_max=3, latents=3, use_masks=True)
+    inf._allocate(0, 0, "first", [])
+    inf.record(0, 100.0, torch.tensor([2.0, 0.0, 0.0]))
+    inf._allocate(10, 1, "new", [])
+    inf.record(1, 100.0, torch.tensor([0.0, 0.0, 1.5]))
+    assert inf.maskable(1).tolist() == [True, False, False]
+    assert inf.maskable(0).tolist() == [False, False, True]

@@ -68,6 +68,13 @@ class EnvironmentInference:
     def past_environments(self) -> list[int]:
         return [s for s in range(self.n_envs) if s != self.current]
 
+    def maskable(self, env: int) -> torch.Tensor:
+        """Latents that environments other than `env` use: the only ones `env` may mask [ours]."""
+        others = [s for s in range(self.n_envs) if s != env and bool(self.recorded[s])]
+        if not others:
+            return torch.zeros(self.usage.shape[1], dtype=torch.bool)
+        return (self.usage[others] > self.cfg.used_kl).any(0)
+
     def predict(self, probs: torch.Tensor) -> int:
         """s_hat = argmax of the batch-averaged q_psi(s|x) over the allocated slots (spec §2)."""
         return int(probs[: self.n_envs].argmax())
@@ -79,7 +86,7 @@ class EnvironmentInference:
             reasons.append(RECONSTRUCTION)
         if self.use_masks:
             a_env = masks.mask(env).bool()
-            a_x = masks.batch_mask(alpha, env).bool()
+            a_x = masks.batch_mask(alpha, env, self.maskable(env)).bool()
             used = (a_env & (self.usage[env] > self.cfg.used_kl)) | (a_x & (kl > self.cfg.used_kl))
             if bool(((a_x != a_env) & used).any()):
                 reasons.append(MASK)

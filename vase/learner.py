@@ -108,8 +108,9 @@ class Learner:
             decision = self.inference.infer(t, torch.ones(1), alpha, kl_batch, self.masks, lambda env: 0.0) \
                 if self.inference.n_envs == 0 else Decision(t, 0, 0, "same")
         s = decision.env
+        maskable = self.inference.maskable(s) if cfg.inference.enabled else None
         if decision.allocated:
-            self.masks.start(s, alpha)
+            self.masks.start(s, alpha, maskable)
             self.snapshot.sync(self.model)  # [ours]: dreams of the old environments from the model that knew them
         mask = self.masks.mask(s).clone()  # A: a^s (all ones when A is off), before this batch updates it
         real_logits, dream_logits, recon = reconstruct(s)
@@ -140,7 +141,7 @@ class Learner:
         # Bookkeeping of eq. 5 and eq. 6 for the environment just trained (not on a doubtful batch).
         if decision.verdict != "pending":
             if cfg.mask.enabled:
-                self.masks.update(s, alpha)
+                self.masks.update(s, alpha, maskable)
             self.inference.record(s, float(recon.detach().mean()), kl_batch)
         if cfg.dream.enabled and (t + 1) % cfg.dream.snapshot_every == 0:
             self.snapshot.sync(self.model)  # every tau steps (paper §3.5)

@@ -18,10 +18,16 @@ def atypicality(mu: torch.Tensor, logvar: torch.Tensor) -> torch.Tensor:
     return 0.5 * (v + m.pow(2) - 1.0 - v.log())
 
 
-def hysteresis(alpha: torch.Tensor, previous: torch.Tensor, cfg: MaskConfig) -> torch.Tensor:
-    """Eq. 5 with two thresholds: off above lambda_high, on below lambda_low, else unchanged."""
+def hysteresis(alpha: torch.Tensor, previous: torch.Tensor, cfg: MaskConfig, maskable: torch.Tensor | None = None) -> torch.Tensor:
+    """Eq. 5 with two thresholds: off above lambda_high, on below lambda_low, else unchanged.
+
+    Only `maskable` latents can be switched off (default: all). See `LatentMasks` for why.
+    """
     on = alpha < cfg.lambda_low
     off = alpha > cfg.lambda_high
+    if maskable is not None:
+        off = off & maskable
+        on = on | ~maskable
     return torch.where(off, torch.zeros_like(previous), torch.where(on, torch.ones_like(previous), previous))
 
 
@@ -29,6 +35,13 @@ class LatentMasks:
     """One mask a^s per environment slot, plus the smoothed atypicality that drives it.
 
     A new slot starts with every latent on: unused latents have alpha ~ 0 and are spare capacity.
+
+    Which latents may be masked is the caller's `maskable` argument. With environment inference on,
+    the learner passes the latents that *other* environments use [ours]: masking exists to stop an
+    environment from retraining latents that encode another environment's factors (paper §3.3).
+    A latent that the current environment is learning right now is atypical too while its
+    aggregate posterior has not yet settled to the prior, and masking it would stop that learning.
+    With S off there is only one environment and every latent is maskable, as in eq. 5.
     """
 
     def __init__(self, k_max: int, latents: int, cfg: MaskConfig):
@@ -42,23 +55,23 @@ class LatentMasks:
             return torch.ones_like(self.masks[env])
         return self.masks[env]
 
-    def batch_mask(self, alpha: torch.Tensor, env: int) -> torch.Tensor:
+    def batch_mask(self, alpha: torch.Tensor, env: int, maskable: torch.Tensor | None = None) -> torch.Tensor:
         """a(x) for the agreement test of eq. 6: the hysteresis rule relative to a^env."""
-        return hysteresis(alpha, self.mask(env), self.cfg)
+        return hysteresis(alpha, self.mask(env), self.cfg, maskable)
 
-    def start(self, env: int, alpha: torch.Tensor) -> None:
+    def start(self, env: int, alpha: torch.Tensor, maskable: torch.Tensor | None = None) -> None:
         """A newly allocated environment takes the batch's own mask (its latents' typicality now)."""
         self.alpha[env] = alpha
-        self.masks[env] = hysteresis(alpha, torch.ones_like(alpha), self.cfg)
+        self.masks[env] = hysteresis(alpha, torch.ones_like(alpha), self.cfg, maskable)
         self.initialised[env] = True
 
-    def update(self, env: int, alpha: torch.Tensor) -> torch.Tensor:
+    def update(self, env: int, alpha: torch.Tensor, maskable: torch.Tensor | None = None) -> torch.Tensor:
         """Fold one batch's alpha into a^env (EMA then hysteresis) and return the new mask."""
         if not self.initialised[env]:
-            self.start(env, alpha)
+            self.start(env, alpha, maskable)
         else:
             self.alpha[env] = self.cfg.ema * self.alpha[env] + (1 - self.cfg.ema) * alpha
-            self.masks[env] = hysteresis(self.alpha[env], self.masks[env], self.cfg)
+            self.masks[env] = hysteresis(self.alpha[env], self.masks[env], self.cfg, maskable)
         return self.mask(env)
 
     def state_dict(self) -> dict:

@@ -1,0 +1,81 @@
+"""S: the decision rule of eq. 6 on hand-made inputs."""
+import pytest
+import torch
+
+from vase.config import InferenceConfig, MaskConfig
+from vase.inference import MASK, RECONSTRUCTION, EnvironmentInference
+from vase.masking import LatentMasks
+
+N = 4
+
+
+def setup(patience=3, k_max=3, cooldown=0):
+    cfg = InferenceConfig(kappa=1.5, patience=patience, cooldown=cooldown, used_kl=0.1, error_ema=0.0)
+    inf = EnvironmentInference(cfg, k_max=k_max, latents=N, use_masks=True)
+    masks = LatentMasks(k_max, N, MaskConfig(lambda_low=0.5, lambda_high=1.0, ema=0.0))
+    return inf, masks
+
+
+def decide(inf, masks, step, error, alpha=None, kl=None, probs=None):
+    alpha = torch.zeros(N) if alpha is None else alpha
+    kl = torch.tensor([1.0, 1.0, 0.0, 0.0]) if kl is None else kl
+    probs = torch.tensor([1.0, 0.0, 0.0]) if probs is None else probs
+    d = inf.infer(step, probs, alpha, kl, masks, lambda env: error[env] if isinstance(error, dict) else error)
+    if d.allocated:
+        masks.start(d.env, alpha, inf.maskable(d.env))
+    if d.verdict != "pending":
+        masks.update(d.env, alpha, inf.maskable(d.env))
+        inf.record(d.env, error[d.env] if isinstance(error, dict) else error, kl)
+    return d
+
+
+def test_first_batch_is_environment_zero_and_good_batches_stay():
+    inf, masks = setup()
+    assert decide(inf, masks, 0, 100.0).verdict == "first"
+    for t in range(1, 5):
+        d = decide(inf, masks, t, 120.0)
+        assert (d.verdict, d.env) == ("same", 0)
+
+
+def test_bad_reconstruction_allocates_after_patience():
+    inf, masks = setup(patience=3)
+    decide(inf, masks, 0, 100.0)
+    verdicts = [decide(inf, masks, t, 400.0) for t in range(1, 4)]
+    assert [d.verdict for d in verdicts] == ["pending", "pending", "new"]
+    assert verdicts[-1].env == 1 and RECONSTRUCTION in verdicts[-1].reasons
+    assert all(d.env == 0 for d in verdicts[:2])  # doubtful batches train under the current env
+
+
+def test_mask_disagreement_alone_allocates():
+    inf, masks = setup(patience=1)
+    decide(inf, masks, 0, 100.0)  # env 0 uses latents 0 and 1
+    decide(inf, masks, 1, 100.0, alpha=torch.zeros(N))
+    # A second environment that uses latent 2 only, so latent 2 is "owned" by env 1.
+    d = decide(inf, masks, 2, 400.0, kl=torch.tensor([0.0, 0.0, 1.0, 0.0]))
+    assert d.verdict == "new" and d.env == 1
+    # Back to env-0-like data whose reconstruction is fine under env 0, but latent 2 (env 1's)
+    # does not matter; latent 0 (env 0 uses it) is now atypical: a mask disagreement.
+    masks.update(0, torch.zeros(N), torch.tensor([False, False, True, False]))
+    inf.current = 0
+    masks.masks[0] = torch.ones(N)
+    inf.usage[1] = torch.tensor([1.0, 0.0, 1.0, 0.0])  # env 1 also used latent 0, so it is maskable for env 0
+    d = decide(inf, masks, 3, {0: 100.0, 1: 400.0, 2: 400.0}, alpha=torch.tensor([3.0, 0.0, 0.0, 0.0]))
+    assert MASK in d.reasons and d.verdict == "new"
+
+
+def test_returning_environment_is_reidentified_by_the_classifier():
+    inf, masks = setup(patience=1)
+    decide(inf, masks, 0, 100.0)
+    decide(inf, masks, 1, {0: 400.0, 1: 100.0})  # new env 1
+    assert inf.n_envs == 2 and inf.current == 1
+    d = decide(inf, masks, 2, {0: 110.0, 1: 400.0}, probs=torch.tensor([0.9, 0.1, 0.0]))
+    assert (d.verdict, d.env) == ("switch", 0) and inf.n_envs == 2
+
+
+def test_full_slots_warn_and_keep_training():
+    inf, masks = setup(patience=1, k_max=2)
+    decide(inf, masks, 0, 100.0)
+    decide(inf, masks, 1, {0: 400.0, 1: 100.0})
+    with pytest.warns(UserWarning, match="all 2 slots"):
+        d = decide(inf, masks, 2, 10_000.0, probs=torch.tensor([0.0, 1.0]))
+    assert d.verdict == "full" and d.env == 1 and inf.n_envs == 2
