@@ -10,7 +10,7 @@ N = 4
 
 
 def setup(patience=3, k_max=3, cooldown=0):
-    cfg = InferenceConfig(kappa=1.5, patience=patience, cooldown=cooldown, used_kl=0.1, error_ema=0.0)
+    cfg = InferenceConfig(kappa=1.5, error_margin=0.0, patience=patience, cooldown=cooldown, used_kl=0.1, error_ema=0.0)
     inf = EnvironmentInference(cfg, k_max=k_max, latents=N, use_masks=True)
     masks = LatentMasks(k_max, N, MaskConfig(lambda_low=0.5, lambda_high=1.0, ema=0.0))
     return inf, masks
@@ -79,3 +79,11 @@ def test_full_slots_warn_and_keep_training():
     with pytest.warns(UserWarning, match="all 2 slots"):
         d = decide(inf, masks, 2, 10_000.0, probs=torch.tensor([0.0, 1.0]))
     assert d.verdict == "full" and d.env == 1 and inf.n_envs == 2
+
+
+def test_error_margin_absorbs_noise_of_a_near_perfect_environment():
+    inf, masks = setup(patience=1)
+    inf.cfg.error_margin = 25.0
+    decide(inf, masks, 0, 1.0)
+    assert decide(inf, masks, 1, 3.0).verdict == "same"  # 3 > 1.5 * 1 but within the margin
+    assert decide(inf, masks, 2, 40.0).verdict == "new"

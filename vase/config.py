@@ -104,6 +104,9 @@ class InferenceConfig:
     # S: environment inference (eq. 6).
     enabled: bool = True
     kappa: float = 1.5  # reconstruction threshold multiple [ours, calibrated]
+    # Additive slack of the threshold, kappa * L_s + margin, in nats per image [ours]: once an
+    # environment is learnt to ~1 nat (three static sprites), kappa * L alone is batch noise.
+    error_margin: float = 25.0
     patience: int = 10  # consecutive "new" verdicts before allocating [ours]
     error_ema: float = 0.95  # running reconstruction error L_s [ours]
     # A latent counts as "used" by an environment when its KL exceeds this many nats [ours].
@@ -239,6 +242,8 @@ class Config:
             errs.append("objective.capacity_ramp_steps must be >= 0")
         if not 0.0 <= self.mask.ema < 1.0 or not 0.0 <= self.inference.error_ema < 1.0:
             errs.append("mask.ema and inference.error_ema must be in [0, 1)")
+        if self.inference.kappa <= 0 or self.inference.error_margin < 0:
+            errs.append("inference.kappa must be > 0 and inference.error_margin >= 0")
         if self.inference.patience < 1:
             errs.append("inference.patience must be at least 1")
         if self.dream.snapshot_every < 1:

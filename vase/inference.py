@@ -79,10 +79,14 @@ class EnvironmentInference:
         """s_hat = argmax of the batch-averaged q_psi(s|x) over the allocated slots (spec §2)."""
         return int(probs[: self.n_envs].argmax())
 
+    def threshold(self, env: int) -> float:
+        """kappa * L_s (eq. 6) plus an additive margin [ours]."""
+        return self.cfg.kappa * float(self.errors[env]) + self.cfg.error_margin
+
     def failures(self, env: int, error: float, alpha: torch.Tensor, kl: torch.Tensor, masks: LatentMasks) -> list[str]:
         """Which conditions of eq. 6 the batch fails for candidate `env` (empty list: it passes)."""
         reasons = []
-        if error > self.cfg.kappa * float(self.errors[env]):
+        if error > self.threshold(env):
             reasons.append(RECONSTRUCTION)
         if self.use_masks:
             a_env = masks.mask(env).bool()
@@ -112,7 +116,7 @@ class EnvironmentInference:
             error = error_under(env)
             reasons = self.failures(env, error, alpha, kl, masks)
             if first is None:
-                first = (reasons, error, self.cfg.kappa * float(self.errors[env]))
+                first = (reasons, error, self.threshold(env))
             if not reasons:
                 verdict = "same" if env == self.current else "switch"
                 self.current, self.pending = env, 0
