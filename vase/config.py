@@ -93,8 +93,8 @@ class ObjectiveConfig:
 class MaskConfig:
     # A: atypicality mask (eq. 4-5) with hysteresis lambda1 < lambda2 [ours, calibrated].
     enabled: bool = True
-    lambda_low: float = 0.5
-    lambda_high: float = 1.5
+    lambda_low: float = 0.3
+    lambda_high: float = 1.0
     # EMA of alpha over recent batches before thresholding (0 = no smoothing) [ours].
     ema: float = 0.9
 

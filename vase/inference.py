@@ -88,13 +88,25 @@ class EnvironmentInference:
         reasons = []
         if error > self.threshold(env):
             reasons.append(RECONSTRUCTION)
-        if self.use_masks:
-            a_env = masks.mask(env).bool()
-            a_x = masks.batch_mask(alpha, env, self.maskable(env)).bool()
-            used = (a_env & (self.usage[env] > self.cfg.used_kl)) | (a_x & (kl > self.cfg.used_kl))
-            if bool(((a_x != a_env) & used).any()):
-                reasons.append(MASK)
+        if self.use_masks and bool(self.mask_disagreement(env, alpha, kl, masks).any()):
+            reasons.append(MASK)
         return reasons
+
+    def mask_disagreement(self, env: int, alpha: torch.Tensor, kl: torch.Tensor, masks: LatentMasks) -> torch.Tensor:
+        """Latents on which the batch's own mask a(x) contradicts a^env (the second test of eq. 6).
+
+        Compared only where the verdict is clear [ours]: a latent env relies on (unmasked, used,
+        and settled: its smoothed alpha in env is below lambda_low) turns atypical on this batch
+        (alpha > lambda_high), or a latent env masks is typical and informative on this batch.
+        A latent env is still learning has an unsettled alpha and is not evidence either way.
+        """
+        low, high = masks.cfg.lambda_low, masks.cfg.lambda_high
+        a_env = masks.mask(env).bool()
+        settled = masks.alpha[env] < low
+        used = self.usage[env] > self.cfg.used_kl
+        lost = a_env & settled & used & (alpha > high)
+        gained = ~a_env & (alpha < low) & (kl > self.cfg.used_kl)
+        return lost | gained
 
     # -- the decision -----------------------------------------------------------------------------
     def infer(
