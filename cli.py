@@ -14,13 +14,17 @@ from vase.errors import VaseError
 DEFAULT_SEQUENCE_HELP = "moving_shapes_a,shapes_b,moving_shapes_b (embedded sprites, no download)"
 
 
-def _fail(e: Exception) -> None:
+def _fail(e: Exception | str) -> None:
     raise click.ClickException(str(e)) from None
 
 
-def _show_warnings() -> None:
-    """Print library warnings as one clean line each (no file/line noise)."""
-    warnings.showwarning = lambda message, *args, **kwargs: click.echo(f"warning: {message}", err=True)
+def _show_warnings(ctx: click.Context) -> None:
+    """Print library warnings as one clean line each (no file/line noise), for this command only."""
+    previous = warnings.showwarning
+    warnings.showwarning = lambda message, *args, **kwargs: click.echo(
+        "warning: " + " ".join(str(message).split()), err=True
+    )
+    ctx.call_on_close(lambda: setattr(warnings, "showwarning", previous))
 
 
 def _check_sequence(ctx, param, value):
@@ -39,13 +43,14 @@ def _check_sequence(ctx, param, value):
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="vase")
-def main():
+@click.pass_context
+def main(ctx):
     """VASE: life-long disentangled representation learning (Achille et al., NeurIPS 2018).
 
     Train over a sequence of environments, evaluate probes, benchmark the step, manage data.
     Run `vase COMMAND --help` for each command's options.
     """
-    _show_warnings()
+    _show_warnings(ctx)
 
 
 @main.command()
@@ -64,7 +69,8 @@ def main():
 @click.option("--run-dir", type=click.Path(file_okay=False), default=None,
               help="Output directory (default: runs/<time>-<ablation>-<mode>-seed<seed>).")
 @click.option("--resume", "resume_dir", type=click.Path(exists=True, file_okay=False), default=None,
-              help="Continue the run in RUN_DIR from its latest good checkpoint, with its own config.")
+              help="Continue the run in RUN_DIR from its newest good checkpoint, with its own config "
+                   "(only --data-root, --download and --no-progress may be given with it).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing --run-dir.")
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.FIELD=VALUE",
               help="Override any config field, e.g. --set mask.lambda_high=2.0 (repeatable).")
@@ -75,13 +81,19 @@ def train(preset, sequence, steps, ablation, entangled, seed, data_root, downloa
 
     With no options: the full VASE (SDA) on the embedded sprite sequence with the CPU preset.
     """
-    from vase.trainer import Trainer, prepare_run_dir, run_dir_for
+    from vase.checkpoint import write_atomic
     from vase.report import summary_text
+    from vase.trainer import Trainer, check_run_dir, prepare_run_dir, run_dir_for
 
+    path = Path(resume_dir) if resume_dir else None
     try:
         if resume_dir:
-            cfg = load_run_config(Path(resume_dir))
-            path = Path(resume_dir)
+            _refuse_with_resume(click.get_current_context())
+            cfg = load_run_config(path)
+            if data_root:  # where the data lives (or comes from) does not change the run
+                cfg.data.root = data_root
+            if download:
+                cfg.data.download = True
         else:
             sets = list(overrides)
             if sequence:
@@ -98,17 +110,34 @@ def train(preset, sequence, steps, ablation, entangled, seed, data_root, downloa
                 sets.append("data.download=true")
             cfg = build_config(preset, sets, ablation)
             path = run_dir_for(cfg, run_dir)
-        prepare_run_dir(path, resume=bool(resume_dir), overwrite=overwrite)
+        check_run_dir(path, resume=bool(resume_dir), overwrite=overwrite)
         trainer = Trainer(cfg, path, progress=not no_progress)
+        prepare_run_dir(path, cfg, resume=bool(resume_dir), overwrite=overwrite)
         results = trainer.train(resume=bool(resume_dir))
+        text = summary_text(results, path)
+        write_atomic(path / "summary.txt", (text + "\n").encode())
     except VaseError as e:
         _fail(e)
+    except OSError as e:  # e.g. a full disk or a read-only folder under TensorBoard or the data cache
+        _fail(f"{e.filename or 'I/O'}: {e.strerror or e}; the checkpoints already on disk are kept")
     except KeyboardInterrupt:
-        click.echo(f"\ninterrupted; resume with: vase train --resume {path}", err=True)
+        started = path is not None and (path / "config.json").is_file()
+        click.echo("\ninterrupted" + (f"; resume with: vase train --resume {path}" if started else ""), err=True)
         sys.exit(130)
-    text = summary_text(results, path)
-    (path / "summary.txt").write_text(text + "\n")
     click.echo(text)
+
+
+# Options that would be silently ignored by --resume (the run keeps its own config).
+_NOT_WITH_RESUME = ("preset", "sequence", "steps", "ablation", "entangled", "seed", "run_dir", "overwrite",
+                    "overrides")
+
+
+def _refuse_with_resume(ctx: click.Context) -> None:
+    given = [name for name in _NOT_WITH_RESUME
+             if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
+    if given:
+        flags = ", ".join("--" + ("set" if n == "overrides" else n.replace("_", "-")) for n in given)
+        raise VaseError(f"--resume continues a run with its own config.json; drop {flags}")
 
 
 @main.command(name="eval")
@@ -163,15 +192,28 @@ def data_list():
 @main.command()
 @click.option("--preset", "presets", multiple=True, type=click.Choice(preset_names()),
               help="Preset(s) to measure (default: all).")
-@click.option("--steps", type=int, default=20, show_default=True, help="Timed steps per measurement.")
-@click.option("--json-out", type=click.Path(dir_okay=False), default=None, help="Also write the results to this JSON file.")
+@click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True,
+              help="Timed steps per variant (spread over up to 5 interleaved rounds).")
+@click.option("--json-out", type=click.Path(dir_okay=False), default=None,
+              help="Write the results to this JSON file (default: runs/bench/bench-<time>.json).")
 @click.option("--skip-memory", is_flag=True, help="Skip the peak-memory run of the default training.")
-def bench(presets, steps, json_out, skip_memory):
-    """Measure step throughput, FLOP/s against this machine's peak, overhead and memory."""
+@click.option("--memory-steps", type=click.IntRange(min=1), default=100, show_default=True,
+              help="Steps per environment of the default training run whose peak memory is measured.")
+@click.option("--threads", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Torch threads for the timings (0 = library default, as `vase train` uses).")
+def bench(presets, steps, json_out, skip_memory, memory_steps, threads):
+    """Measure step throughput, FLOP/s against this machine's peak, overhead and memory.
+
+    Every variant (plain and VASE steps, 1 vs 8 past environments, the code before the speed work,
+    a straightforward NCHW reference) is timed interleaved in one run, so ratios hold even when the
+    machine is busy; absolute numbers do not. Prints a table and writes the JSON. See
+    docs/benchmarks.md.
+    """
     from vase.bench import run_bench
 
     try:
-        run_bench(list(presets) or preset_names(), steps, json_out, skip_memory)
+        run_bench(list(presets) or preset_names(), steps, json_out, skip_memory,
+                  threads=threads, memory_steps=memory_steps)
     except VaseError as e:
         _fail(e)
 

@@ -2,12 +2,17 @@
 
 Layout in a run directory:
     checkpoints/latest.pt        the newest good checkpoint (tensors and plain containers only)
-    checkpoints/latest.json      its metadata: step, sha256 of the .pt, config and code versions
+    checkpoints/latest.json      its metadata: step, sha256 of the .pt, format and config versions
     checkpoints/previous.pt/json the one before, kept as a fallback
+    checkpoints/staged.pt/json   a new checkpoint on its way to becoming latest (only mid-save)
 
-Writes go to a temporary file that is fsynced and then renamed over the target, so a kill at any
-moment leaves either the old or the new file, never half of one. Loading uses
-torch.load(weights_only=True), which refuses pickles that would run code.
+Every file is written to a temporary name, fsynced and renamed, so no file is ever half written.
+A save then renames staged -> latest (and the old latest -> previous). A kill between two of those
+renames can leave a .json next to a .pt it does not describe, so loading never trusts file names:
+each .json is paired with whichever .pt has its sha256, and the newest verified pair wins. Whatever
+moment a run is killed at, at least one verified pair survives.
+
+Loading uses torch.load(weights_only=True), which refuses pickles that would run code.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -25,10 +31,15 @@ from vase.config import CONFIG_VERSION
 from vase.errors import CheckpointError
 
 CHECKPOINT_FORMAT = 1
-SLOTS = ("latest", "previous")
+CHECKPOINT_DIR = "checkpoints"
+# Where a verified pair may sit after a save that was killed part-way; also the order of preference
+# between pairs of the same step.
+SLOTS = ("latest", "staged", "previous")
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to a temporary file, fsync it and rename it over `path` (all or nothing)."""
+    path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as f:
@@ -38,78 +49,162 @@ def _write_atomic(path: Path, data: bytes) -> None:
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        raise CheckpointError(
-            f"could not write checkpoint {path} ({e.strerror or e}); the previous checkpoint is kept"
-        ) from e
+        raise CheckpointError(f"could not write {path} ({e.strerror or e})") from e
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the renames in `directory` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / CHECKPOINT_DIR
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    """Whether a save ever got as far as a .json (good or not). A .json is written after its .pt, so
+    a run killed before or during its first save has none and can simply start again."""
+    directory = checkpoint_dir(run_dir)
+    return any((directory / f"{slot}.json").exists() for slot in SLOTS)
+
+
+def _read_meta(path: Path) -> dict | None:
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def _scan(directory: Path, slots=SLOTS) -> tuple[dict[str, bytes], dict[str, dict | None], list[tuple[dict, str, str]]]:
+    """The .pt bytes and .json metadata found in `slots`, and every verified pair (meta, pt slot,
+    json slot), newest step first (ties: latest before staged before previous)."""
+    blobs = {s: (directory / f"{s}.pt").read_bytes() for s in slots if (directory / f"{s}.pt").is_file()}
+    hashes = {s: _sha256(b) for s, b in blobs.items()}
+    metas = {s: _read_meta(directory / f"{s}.json") for s in slots if (directory / f"{s}.json").exists()}
+    pairs = [
+        (meta, pt_slot, meta_slot)
+        for meta_slot, meta in metas.items() if meta is not None
+        for pt_slot in slots if hashes.get(pt_slot) == meta.get("sha256")
+    ]
+    pairs.sort(key=lambda p: (-int(p[0].get("step", -1)), SLOTS.index(p[1]), SLOTS.index(p[2])))
+    return blobs, metas, pairs
 
 
 def save_checkpoint(run_dir: Path, state: dict[str, Any], meta: dict[str, Any]) -> Path:
     """Save `state`; the old latest becomes previous only after the new one is safely on disk."""
-    directory = Path(run_dir) / "checkpoints"
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = checkpoint_dir(run_dir)
     buffer = io.BytesIO()
     torch.save(state, buffer)
     data = buffer.getvalue()
-    meta = {
-        **meta,
-        "sha256": hashlib.sha256(data).hexdigest(),
-        "format": CHECKPOINT_FORMAT,
-        "config_version": CONFIG_VERSION,
-    }
-    staged = directory / "staged.pt"
-    _write_atomic(staged, data)
-    _write_atomic(directory / "staged.json", json.dumps(meta, indent=2).encode())
-    latest, latest_meta = directory / "latest.pt", directory / "latest.json"
-    if latest.exists() and latest_meta.exists():
-        os.replace(latest, directory / "previous.pt")
-        os.replace(latest_meta, directory / "previous.json")
-    os.replace(directory / "staged.json", latest_meta)
-    os.replace(staged, latest)
-    return latest
+    meta = {**meta, "sha256": _sha256(data), "format": CHECKPOINT_FORMAT, "config_version": CONFIG_VERSION}
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        write_atomic(directory / "staged.pt", data)
+        write_atomic(directory / "staged.json", json.dumps(meta, indent=2).encode())
+        _promote(directory)
+    except (OSError, CheckpointError) as e:
+        reason = str(e) if isinstance(e, CheckpointError) else f"could not save a checkpoint in {directory} ({e.strerror or e})"
+        raise CheckpointError(f"{reason}; the run stopped and the checkpoints already on disk are kept") from e
+    return directory / "latest.pt"
 
 
-def _load_slot(directory: Path, slot: str) -> tuple[dict, dict]:
-    path, meta_path = directory / f"{slot}.pt", directory / f"{slot}.json"
-    if not path.exists() or not meta_path.exists():
-        raise CheckpointError(f"{path} or its metadata is missing")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{meta_path} is not readable JSON ({e})") from e
-    data = path.read_bytes()
-    if hashlib.sha256(data).hexdigest() != meta.get("sha256"):
-        raise CheckpointError(f"{path} is truncated or corrupted (checksum mismatch)")
-    if meta.get("format") != CHECKPOINT_FORMAT or meta.get("config_version") != CONFIG_VERSION:
-        raise CheckpointError(
-            f"{path} was written by an incompatible version (format {meta.get('format')}, config "
-            f"version {meta.get('config_version')}; this code reads format {CHECKPOINT_FORMAT}, "
-            f"config version {CONFIG_VERSION})"
-        )
-    try:
-        state = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-    except Exception as e:  # the unpickler refuses anything but tensors and plain containers
-        raise CheckpointError(f"{path} was refused by the safe loader: {e}") from e
-    return state, meta
+def _promote(directory: Path) -> None:
+    """staged -> latest, after the newest other verified pair has become previous.
+
+    Normally that pair is the old latest; after a save that was killed part-way it may be split
+    over two slots, and a corrupt latest is never pushed over a good previous.
+    """
+    _, _, pairs = _scan(directory, ("latest", "previous"))
+    if pairs:
+        _, pt_slot, meta_slot = pairs[0]
+        if pt_slot != "previous":
+            os.replace(directory / f"{pt_slot}.pt", directory / "previous.pt")
+        if meta_slot != "previous":
+            os.replace(directory / f"{meta_slot}.json", directory / "previous.json")
+    os.replace(directory / "staged.json", directory / "latest.json")
+    os.replace(directory / "staged.pt", directory / "latest.pt")
+    _fsync_dir(directory)
+
+
+def _latest_problem(directory: Path, metas: dict[str, dict | None]) -> str:
+    """Why the latest.pt/latest.json pair did not verify, in words."""
+    pt, meta_path = directory / "latest.pt", directory / "latest.json"
+    if not pt.exists() and not meta_path.exists():
+        return f"{pt} is missing"
+    if not pt.exists():
+        return f"{pt} is missing (a checkpoint save was interrupted)"
+    if not meta_path.exists():
+        return f"{meta_path} is missing (a checkpoint save was interrupted)"
+    if metas.get("latest") is None:
+        return f"{meta_path} is not readable JSON"
+    return f"{pt} is truncated or corrupted (its sha256 does not match {meta_path.name})"
+
+
+def _one_line(error: Exception) -> str:
+    """The informative line of torch's multi-paragraph unpickler error."""
+    text = str(error)
+    found = re.search(r"(Trying to load unsupported GLOBAL \S+|Unsupported (?:global|operand)[^\n]*)", text)
+    if found:
+        return found.group(1).rstrip(".")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
 
 
 def load_checkpoint(run_dir: Path) -> tuple[dict, dict]:
-    """Load the newest checkpoint that verifies; fall back to the previous one with a warning."""
-    directory = Path(run_dir) / "checkpoints"
-    if not directory.is_dir():
-        raise CheckpointError(f"no checkpoints in {run_dir}: is this a run directory?")
-    problems = []
-    for slot in SLOTS:
-        try:
-            state, meta = _load_slot(directory, slot)
-        except CheckpointError as e:
-            problems.append(str(e))
-            continue
-        if problems:
-            warnings.warn(f"{problems[0]}; resuming from the previous checkpoint (step {meta.get('step')})", stacklevel=2)
-        return state, meta
-    if any("incompatible" in p or "refused" in p for p in problems):
-        raise CheckpointError(problems[0])
-    raise CheckpointError("no usable checkpoint in " + str(directory) + ": " + "; ".join(problems))
+    """Load the newest checkpoint that verifies; say so (a warning) when that is not latest.pt.
+
+    A checkpoint whose checksum fails is skipped; one that verifies but was written by an
+    incompatible version, or that the safe loader refuses, stops the resume with an error instead of
+    silently falling back to an older one.
+    """
+    directory = checkpoint_dir(run_dir)
+    if not has_checkpoint(run_dir):
+        raise CheckpointError(f"no checkpoint in {directory}: is {run_dir} a vase run directory?")
+    blobs, metas, pairs = _scan(directory)
+    if not pairs:
+        raise CheckpointError(
+            f"no usable checkpoint in {directory}: {_latest_problem(directory, metas)}, and no other "
+            "checkpoint file verifies against its sha256"
+        )
+    meta, pt_slot, meta_slot = pairs[0]
+    path = directory / f"{pt_slot}.pt"
+    if meta.get("format") != CHECKPOINT_FORMAT or meta.get("config_version") != CONFIG_VERSION:
+        raise CheckpointError(
+            f"{path} was written by an incompatible version (checkpoint format {meta.get('format')}, config "
+            f"version {meta.get('config_version')}; this vase reads format {CHECKPOINT_FORMAT}, config version "
+            f"{CONFIG_VERSION}), so it cannot be resumed; start a new run"
+        )
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's pickle-protocol notices are noise here
+            state = torch.load(io.BytesIO(blobs[pt_slot]), weights_only=True, map_location="cpu")
+    except Exception as e:  # the unpickler refuses anything but tensors and plain containers
+        raise CheckpointError(
+            f"refusing to load {path}: it holds objects other than tensors and plain containers, which "
+            f"could run code ({_one_line(e)}); it was not written by vase, so do not trust this run directory"
+        ) from e
+    if (pt_slot, meta_slot) != ("latest", "latest"):
+        if ("latest", "latest") in {(p, m) for _, p, m in pairs}:
+            problem = f"a checkpoint save was interrupted after {path} was fully written"
+        else:
+            problem = _latest_problem(directory, metas)
+        which = "the previous checkpoint" if pt_slot == "previous" else f"the newer checkpoint {path.name}"
+        warnings.warn(f"{problem}; resuming from {which} (step {meta.get('step')})", stacklevel=2)
+    return state, meta
 
 
 def save_weights(path: Path, state: dict[str, Any]) -> None:
@@ -117,11 +212,11 @@ def save_weights(path: Path, state: dict[str, Any]) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
     torch.save(state, buffer)
-    _write_atomic(Path(path), buffer.getvalue())
+    write_atomic(Path(path), buffer.getvalue())
 
 
 def load_weights(path: Path) -> dict[str, Any]:
     try:
         return torch.load(path, weights_only=True, map_location="cpu")
     except Exception as e:
-        raise CheckpointError(f"{path} cannot be loaded safely: {e}") from e
+        raise CheckpointError(f"{path} cannot be loaded safely: {_one_line(e)}") from e

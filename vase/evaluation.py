@@ -25,6 +25,25 @@ METRIC_IMAGES = 2000
 ENCODER_DIR = "encoders"
 
 
+class FrozenEncoder:
+    """mu(x) of an encoder rebuilt from saved weights: what probes and metrics see.
+
+    Training and `vase eval` both go through this one class, so they compute bit-identical
+    numbers (the trained model runs in channels_last, whose float results differ in the 7th digit).
+    """
+
+    def __init__(self, cfg_model):
+        self.net = Encoder(cfg_model)
+
+    def load(self, state: dict) -> "FrozenEncoder":
+        self.net.load_state_dict(state)
+        return self
+
+    @torch.no_grad()
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x).mu
+
+
 def encoder_path(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / ENCODER_DIR / f"step-{step:08d}.pt"
 
@@ -62,17 +81,12 @@ def evaluate_run(run_dir: Path, progress: bool = False) -> dict:
     envs = load_sequence(cfg.data, "test", progress=progress)
     ends = list(np.cumsum(cfg.data.env_steps()))
     suite = ProbeSuite(envs, cfg.probe)
-    encoder = Encoder(cfg.model)
-
-    def encode(x):
-        return encoder(x).mu
-
+    encode = FrozenEncoder(cfg.model)
     metrics = []
     for path in files:
         step = int(path.stem.split("-")[1])
-        encoder.load_state_dict(load_weights(path))
-        with torch.no_grad():
-            suite.evaluate(encode, step)
+        encode.load(load_weights(path))
+        suite.evaluate(encode, step)
         if step in ends:
             stage = ends.index(step)
             suite.mark_boundary(stage, step)

@@ -171,7 +171,7 @@ class Learner:
         for name, value in losses.items():
             if not torch.isfinite(value):
                 raise NumericalError(
-                    f"step {self.step}: loss term '{name}' is {float(value)}; the run stopped and the last "
+                    f"step {self.step}: loss term '{name}' is {float(value.detach())}; the run stopped and the last "
                     "good checkpoint is kept (try a lower train.lr)"
                 )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,11 +12,11 @@ import torch
 from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
 
-from vase.checkpoint import load_checkpoint, save_checkpoint, save_weights
+from vase.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint, save_weights, write_atomic
 from vase.config import Config
 from vase.data.environments import load_sequence
-from vase.errors import VaseError
-from vase.evaluation import disentanglement_scores, encoder_path
+from vase.errors import CheckpointError, NumericalError, VaseError
+from vase.evaluation import ENCODER_DIR, FrozenEncoder, disentanglement_scores, encoder_path
 from vase.learner import Learner, StepOutput
 from vase.objective import reconstruction_nll
 from vase.probing import ProbeSuite
@@ -35,16 +36,36 @@ def run_dir_for(cfg: Config, run_dir: str | None, root: str = "runs") -> Path:
     return Path(root) / f"{stamp}-{name}-{cfg.objective.mode}-seed{cfg.train.seed}"
 
 
-def prepare_run_dir(path: Path, resume: bool, overwrite: bool) -> None:
+def check_run_dir(path: Path, resume: bool = False, overwrite: bool = False) -> None:
+    """Refuse a run directory that cannot be used, before anything is loaded or written."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise VaseError(f"run directory {path} exists and is not a directory")
+    if resume or not (path.exists() and any(path.iterdir())):
+        return
+    if not overwrite:
+        raise VaseError(
+            f"run directory {path} already exists; pass --resume {path} to continue it or --overwrite to replace it"
+        )
+    if not (path / "config.json").is_file():  # --overwrite deletes vase runs only, never other folders
+        raise VaseError(f"refusing to --overwrite {path}: it is not a vase run directory (it has no config.json)")
+
+
+def prepare_run_dir(path: Path, cfg: Config, resume: bool = False, overwrite: bool = False) -> None:
+    """Create a new run directory holding config.json, written before the first step so that a run
+    killed at any later moment can be resumed. Call it once the data has loaded, so that bad input
+    leaves no directory behind."""
+    check_run_dir(path, resume, overwrite)
+    path = Path(path)
     if resume:
-        if not (path / "checkpoints").is_dir():
-            raise VaseError(f"cannot resume {path}: it has no checkpoints directory")
         return
     if path.exists() and any(path.iterdir()):
-        if not overwrite:
-            raise VaseError(f"run directory {path} already exists; pass --resume to continue it or --overwrite to replace it")
         shutil.rmtree(path)
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise VaseError(f"cannot create run directory {path} ({e.strerror or e})") from e
+    write_atomic(path / "config.json", cfg.to_json().encode())
 
 
 @dataclass
@@ -75,11 +96,16 @@ class Trainer:
         self.envs = load_sequence(cfg.data, "train", progress=self.progress)
         self.test_envs = load_sequence(cfg.data, "test", progress=self.progress)
         self.stream = Stream(self.envs, cfg.data.env_steps(), cfg.train.batch_size)
+        # Probes see the encoder exactly as `vase eval` rebuilds it from the saved weights (a plain
+        # Encoder, not the trained one's channels_last copy), so both give bit-identical numbers.
+        # Built before the Learner, which then seeds the global RNG for its own weights.
+        self.frozen_encoder = FrozenEncoder(cfg.model)
         self.learner = Learner(cfg)
         self.probes = ProbeSuite(self.test_envs, cfg.probe) if cfg.probe.enabled else None
         self.record = RunRecord.empty()
         self.held_out = [env.batch(torch.arange(min(HELD_OUT, len(env)))) for env in self.test_envs]
         self.writer: SummaryWriter | None = None
+        self.last_checkpoint: int | None = None
 
     # -- state -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -90,30 +116,58 @@ class Trainer:
         }
 
     def resume(self) -> int:
+        """Restore the newest good checkpoint and return its step (0 for a run killed before its first).
+
+        Everything that must continue bit for bit is in the checkpoint: weights, optimizers, masks,
+        inference state, the learner's generator and the global torch RNG, the run record and the
+        probe history. What a killed run wrote after its checkpoint is dropped: encoders saved at
+        later probe points here, TensorBoard events via purge_step in `train`.
+        """
+        if not has_checkpoint(self.run_dir):
+            warnings.warn(f"{self.run_dir} was stopped before its first checkpoint; training it again from step 0")
+            self._discard_after(0)
+            return 0
         state, meta = load_checkpoint(self.run_dir)
         self.learner.load_state_dict(state["learner"])
         self.record = RunRecord(**state["record"])
         if self.probes:
             self.probes.load_state_dict(state["probes"])
-        return int(meta["step"])
+        self.last_checkpoint = self.learner.step
+        self._discard_after(self.learner.step)
+        return self.learner.step
+
+    def _discard_after(self, step: int) -> None:
+        for path in (self.run_dir / "checkpoints" / ENCODER_DIR).glob("step-*.pt"):
+            if int(path.stem.split("-")[1]) > step:
+                path.unlink()
+        if step == 0:
+            shutil.rmtree(self.run_dir / "tb", ignore_errors=True)
 
     def checkpoint(self) -> None:
-        save_checkpoint(self.run_dir, self.state_dict(), {"step": self.learner.step, "ablation": self.cfg.ablation()})
+        # Events up to this step reach the disk with the checkpoint; later ones are purged on resume.
+        self.writer.flush()
+        try:
+            save_checkpoint(self.run_dir, self.state_dict(), {"step": self.learner.step, "ablation": self.cfg.ablation()})
+        except CheckpointError as e:
+            raise CheckpointError(f"{e} ({self._checkpoint_note()})") from None
+        self.last_checkpoint = self.learner.step
 
     # -- the loop ----------------------------------------------------------------------------------------
     def train(self, resume: bool = False) -> dict:
         start = self.resume() if resume else 0
-        if not resume:
-            (self.run_dir / "config.json").write_text(self.cfg.to_json())
-        # purge_step drops events a killed run logged after its last checkpoint.
-        self.writer = SummaryWriter(str(self.run_dir / "tb"), purge_step=start if resume else None)
+        # Every event of step t is logged at t + 1 (steps done), so the checkpoint at `start` holds
+        # the events up to `start`; purge_step drops those a killed run logged after it.
+        self.writer = SummaryWriter(str(self.run_dir / "tb"), purge_step=start + 1 if start else None)
         total = self.stream.total_steps
         began = time.perf_counter() - self.record.wall_time
         bar = tqdm(total=total, initial=start, disable=not self.progress, desc="vase train", unit="step")
         try:
             for step in range(start, total):
                 x = self.stream.batch(step, self.learner.generator)
-                out = self.learner.training_step(x)
+                try:
+                    out = self.learner.training_step(x)
+                except NumericalError as e:
+                    raise NumericalError(f"{e}; {self._checkpoint_note()}") from None
                 self._record(out)
                 true_env = self.stream.env_index(step)
                 boundary = self.stream.is_boundary(step)
@@ -134,8 +188,13 @@ class Trainer:
             bar.close()
             self.writer.close()
         results = self.results()
-        (self.run_dir / "results.json").write_text(json.dumps(results, indent=2))
+        write_atomic(self.run_dir / "results.json", json.dumps(results, indent=2).encode())
         return results
+
+    def _checkpoint_note(self) -> str:
+        if self.last_checkpoint is None:
+            return "no checkpoint had been written yet"
+        return f"last good checkpoint: step {self.last_checkpoint} in {self.run_dir / 'checkpoints'}"
 
     # -- bookkeeping ------------------------------------------------------------------------------------
     def _record(self, out: StepOutput) -> None:
@@ -150,7 +209,7 @@ class Trainer:
                     "inference/events",
                     f"step {d.step}: {d.verdict} -> environment {d.env} (predicted {d.predicted}; "
                     f"failed on: {', '.join(d.reasons) or '-'}; error {d.error:.1f} vs threshold {d.threshold:.1f})",
-                    d.step,
+                    d.step + 1,
                 )
 
     def _log_scalars(self, out: StepOutput, true_env: int) -> None:
@@ -178,8 +237,9 @@ class Trainer:
 
     def _probe(self, step: int, finished_env: int | None) -> None:
         # The encoder at every probe point is kept, so `vase eval` can recompute these exact numbers.
-        save_weights(encoder_path(self.run_dir, step), self.learner.model.encoder.state_dict())
-        values = self.probes.evaluate(self.learner.encode_mean, step)
+        weights = self.learner.model.encoder.state_dict()
+        save_weights(encoder_path(self.run_dir, step), weights)
+        values = self.probes.evaluate(self.frozen_encoder.load(weights), step)
         for name, value in values.items():
             self.writer.add_scalar(f"probe/{name}", value, step)
         if finished_env is not None:
@@ -198,7 +258,8 @@ class Trainer:
 
     def _boundary(self, step: int, true_env: int) -> None:
         self.record.recon_matrix.append(self.heldout_errors(len(self.envs) - 1))
-        scores = disentanglement_scores(self.test_envs, self.learner.encode_mean, true_env, self.cfg.probe.seed)
+        encode = self.frozen_encoder.load(self.learner.model.encoder.state_dict())
+        scores = disentanglement_scores(self.test_envs, encode, true_env, self.cfg.probe.seed)
         self.record.disentanglement.append(scores)
         for env, values in scores["scores"].items():
             for name, value in values.items():

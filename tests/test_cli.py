@@ -1,0 +1,178 @@
+"""The `vase` command line end to end: train, eval, help, data list (issue 2).
+
+Every training run here is tiny (a few dozen steps, 200 sprites per environment, probes on 50+50
+images, one torch thread) and writes into tmp_path; the ones that train are marked slow.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from cli import main
+from vase.data.environments import ENVIRONMENT_NAMES
+
+# Tiny settings for every CLI run: 20 steps per environment, probes every 10, a checkpoint every 5.
+TINY = {
+    "data.sprite_train_size": 200,
+    "data.sprite_test_size": 100,
+    "probe.train_size": 50,
+    "probe.test_size": 50,
+    "probe.every": 10,
+    "train.batch_size": 16,
+    "train.threads": 1,
+    "train.checkpoint_every": 5,
+    "train.log_every": 5,
+    "train.image_every": 10,
+    "dream.batch_size": 16,
+    "dream.snapshot_every": 5,
+    "inference.cooldown": 5,
+    "inference.patience": 2,
+}
+STEPS = 20
+
+RESULT_KEYS = {
+    "ablation", "mode", "preset", "sequence", "steps_per_env", "seed", "steps", "wall_time_s",
+    "environments_inferred", "environments_true", "inferred_vs_true", "inference_events", "pending_batches",
+    "final_masks", "heldout_reconstruction_matrix", "disentanglement", "probes",
+}
+
+
+def tiny_args(run_dir: Path, data_root: Path, steps: int = STEPS, **overrides) -> list[str]:
+    """`vase train` arguments for a tiny run; keyword overrides use "section__field" names."""
+    settings = TINY | {k.replace("__", "."): v for k, v in overrides.items()}
+    args = ["train", "--steps", str(steps), "--run-dir", str(run_dir), "--data-root", str(data_root), "--no-progress"]
+    for key, value in settings.items():
+        args += ["--set", f"{key}={value}"]
+    return args
+
+
+def invoke(args: list[str]):
+    return CliRunner().invoke(main, args, catch_exceptions=False)
+
+
+def scalar_and_image_tags(tb_dir: Path) -> tuple[set[str], set[str]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0, "images": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    return set(tags["scalars"]), set(tags["images"])
+
+
+@pytest.fixture(scope="module")
+def sprite_data(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("sprite_data")
+
+
+@pytest.fixture(scope="module")
+def sprite_run(tmp_path_factory, sprite_data):
+    """One tiny full-VASE run on the default sprite sequence: (run_dir, CliRunner result)."""
+    run = tmp_path_factory.mktemp("runs") / "sprites"
+    result = invoke(tiny_args(run, sprite_data))
+    return run, result
+
+
+# -- help and data list (fast) ----------------------------------------------------------------------
+def test_help_lists_every_command():
+    result = invoke(["--help"])
+    assert result.exit_code == 0
+    for command in ("train", "eval", "bench", "data"):
+        assert command in result.output
+
+
+def test_train_help_shows_the_options():
+    result = invoke(["train", "--help"])
+    assert result.exit_code == 0
+    for option in ("--sequence", "--steps", "--ablation", "--resume", "--overwrite", "--set", "--data-root"):
+        assert option in result.output
+
+
+def test_console_script_is_installed():
+    exe = shutil.which("vase")
+    assert exe, "the `vase` console script is not on PATH (pip install -e .)"
+    out = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "train" in out.stdout
+
+
+def test_data_list_prints_every_environment():
+    result = invoke(["data", "list"])
+    assert result.exit_code == 0
+    assert result.output.split() == list(ENVIRONMENT_NAMES)
+
+
+# -- a real training run (slow) ----------------------------------------------------------------------
+@pytest.mark.slow
+def test_train_prints_the_summary_and_writes_the_run(sprite_run, sprite_data):
+    run, result = sprite_run
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "environments inferred: " in out
+    lines = out.splitlines()
+    table = lines.index("Table 1 row:")
+    assert lines[table + 2].strip().startswith("SDA")
+    assert f"TensorBoard: tensorboard --logdir {run / 'tb'}" in out
+    assert (run / "summary.txt").read_text().strip() == out.strip()
+
+    config = json.loads((run / "config.json").read_text())
+    assert config["ablation"] == "SDA" and config["version"] == 1
+    assert config["data"]["steps_per_env"] == str(STEPS) and config["data"]["root"] == str(sprite_data)
+    assert config["train"]["batch_size"] == TINY["train.batch_size"]
+    assert config["probe"]["every"] == TINY["probe.every"]
+
+    results = json.loads((run / "results.json").read_text())
+    assert RESULT_KEYS <= set(results)
+    assert results["steps"] == 3 * STEPS
+    assert results["sequence"] == ["moving_shapes_a", "shapes_b", "moving_shapes_b"]
+    assert len(results["heldout_reconstruction_matrix"]) == 3
+    probes = results["probes"]
+    assert [h["step"] for h in probes["history"]] == list(range(10, 3 * STEPS + 1, 10))
+    assert probes["boundaries"] == [STEPS, 2 * STEPS, 3 * STEPS]
+    assert {"object_id_max", "object_id_change", "position_min", "position_change"} <= set(probes["table1"])
+
+
+@pytest.mark.slow
+def test_tensorboard_holds_scalars_and_images(sprite_run):
+    run, result = sprite_run
+    assert result.exit_code == 0, result.output
+    scalars, images = scalar_and_image_tags(run / "tb")
+    for tag in ("loss/total", "loss/reconstruction", "loss/kl", "loss/mdl", "capacity/C",
+                "kl/z00", "atypicality/z00", "mask/z00"):
+        assert tag in scalars, tag
+    assert {"probe/object_id/moving_shapes_a", "probe/position_mse/moving_shapes_b"} <= scalars
+    for env in ("moving_shapes_a", "shapes_b", "moving_shapes_b"):
+        assert f"reconstruction/{env}" in images
+        assert f"traversal/{env}" in images
+
+
+@pytest.mark.slow
+def test_eval_reproduces_the_training_probes_exactly(sprite_run):
+    run, result = sprite_run
+    assert result.exit_code == 0, result.output
+    trained = json.loads((run / "results.json").read_text())["probes"]
+    evaluated = invoke(["eval", str(run), "--json"])
+    assert evaluated.exit_code == 0, evaluated.output
+    recomputed = json.loads(evaluated.stdout)["probes"]
+    assert recomputed["history"] == trained["history"]
+    assert recomputed["table1"] == trained["table1"]
+    table = invoke(["eval", str(run)])
+    assert table.exit_code == 0 and "Table 1 row:" in table.stdout
+
+
+@pytest.mark.slow
+def test_train_on_the_digit_sequence(digit_root, tmp_path):
+    run = tmp_path / "digits"
+    args = tiny_args(run, digit_root, steps=10, probe__every=10)
+    args[1:1] = ["--sequence", "moving_fashion,mnist,moving_mnist"]
+    result = invoke(args)
+    assert result.exit_code == 0, result.output
+    results = json.loads((run / "results.json").read_text())
+    assert results["sequence"] == ["moving_fashion", "mnist", "moving_mnist"]
+    assert results["steps"] == 30
+    final = results["probes"]["history"][-1]["values"]
+    assert {"object_id/moving_fashion", "object_id/mnist", "position_mse/moving_mnist"} <= set(final)
+    assert "Table 1 row:" in result.stdout
