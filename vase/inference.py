@@ -7,9 +7,10 @@ auxiliary classifier for the most likely past environment s_hat, then accepts s_
 otherwise it allocates a new environment.
 
 Two [ours] additions make this usable on a real stream, each a named setting:
-- The current environment is tested as a second candidate when s_hat fails. Right after an
-  allocation the classifier has not learnt the new slot yet and would otherwise send every batch
-  of the new environment to an old slot, which then fails, and allocates again.
+- The current environment is tested first, and s_hat only when it fails. Right after an
+  allocation the classifier has not learnt the new slot yet and keeps predicting the old one;
+  one batch of the new environment that slips through the old environment's test would then be
+  trained under the old slot, move its statistics, and the old slot would absorb the new data.
 - A "new" verdict must hold on `patience` consecutive batches (a single batch is a noisy witness),
   and allocations are at least `cooldown` steps apart. While a verdict is pending the batch is
   trained under the current environment, but that environment's statistics (L_s, usage, mask)
@@ -122,7 +123,10 @@ class EnvironmentInference:
         if self.n_envs == 0:
             return self._allocate(step, 0, "first", [])
         predicted = self.predict(probs)
-        candidates = [predicted] + ([self.current] if self.current != predicted else [])
+        # The current environment is tested first [ours]: a stream is piece-wise stationary, and a
+        # classifier trained for a thousand steps on one environment keeps predicting it for a
+        # while after a new one is allocated. Eq. 6's s_hat decides only when the current fails.
+        candidates = [self.current] + ([predicted] if predicted != self.current else [])
         first = None
         for env in candidates:
             error = error_under(env)
