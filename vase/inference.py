@@ -40,6 +40,7 @@ class Decision:
     reasons: list[str] = field(default_factory=list)  # why the candidates failed
     error: float = float("nan")  # reconstruction error under the first candidate
     threshold: float = float("nan")  # kappa * L for that candidate
+    disagreeing: list[int] = field(default_factory=list)  # latents whose mask test failed there
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -84,14 +85,19 @@ class EnvironmentInference:
         """kappa * L_s (eq. 6) plus an additive margin [ours]."""
         return self.cfg.kappa * float(self.errors[env]) + self.cfg.error_margin
 
-    def failures(self, env: int, error: float, alpha: torch.Tensor, kl: torch.Tensor, masks: LatentMasks) -> list[str]:
-        """Which conditions of eq. 6 the batch fails for candidate `env` (empty list: it passes)."""
-        reasons = []
+    def failures(
+        self, env: int, error: float, alpha: torch.Tensor, kl: torch.Tensor, masks: LatentMasks
+    ) -> tuple[list[str], list[int]]:
+        """Which conditions of eq. 6 the batch fails for candidate `env` (none: it passes), and the
+        latents on which the mask test failed."""
+        reasons, latents = [], []
         if error > self.threshold(env):
             reasons.append(RECONSTRUCTION)
-        if self.use_masks and bool(self.mask_disagreement(env, alpha, kl, masks).any()):
-            reasons.append(MASK)
-        return reasons
+        if self.use_masks:
+            latents = self.mask_disagreement(env, alpha, kl, masks).nonzero().flatten().tolist()
+            if latents:
+                reasons.append(MASK)
+        return reasons, latents
 
     def mask_disagreement(self, env: int, alpha: torch.Tensor, kl: torch.Tensor, masks: LatentMasks) -> torch.Tensor:
         """Latents on which the batch's own mask a(x) contradicts a^env (the second test of eq. 6).
@@ -130,18 +136,18 @@ class EnvironmentInference:
         first = None
         for env in candidates:
             error = error_under(env)
-            reasons = self.failures(env, error, alpha, kl, masks)
+            reasons, latents = self.failures(env, error, alpha, kl, masks)
             if first is None:
-                first = (reasons, error, self.threshold(env))
+                first = (reasons, error, self.threshold(env), latents)
             if not reasons:
                 verdict = "same" if env == self.current else "switch"
                 self.current, self.pending = env, 0
-                return Decision(step, env, predicted, verdict, first[0], first[1], first[2])
-        reasons, error, threshold = first
+                return Decision(step, env, predicted, verdict, *first)
+        reasons, error, threshold, latents = first
         self.pending += 1
         waiting = self.pending < self.cfg.patience or step - self.last_allocation < self.cfg.cooldown
         if waiting:
-            return Decision(step, self.current, predicted, "pending", reasons, error, threshold)
+            return Decision(step, self.current, predicted, "pending", reasons, error, threshold, latents)
         if self.n_envs >= self.k_max:
             if not self.full_warned:
                 warnings.warn(
@@ -151,9 +157,10 @@ class EnvironmentInference:
                 )
                 self.full_warned = True
             self.pending = 0
-            return Decision(step, self.current, predicted, "full", reasons, error, threshold)
+            return Decision(step, self.current, predicted, "full", reasons, error, threshold, latents)
         decision = self._allocate(step, self.n_envs, "new", reasons)
         decision.predicted, decision.error, decision.threshold = predicted, error, threshold
+        decision.disagreeing = latents
         return decision
 
     def _allocate(self, step: int, env: int, verdict: str, reasons: list[str]) -> Decision:

@@ -208,7 +208,8 @@ class Trainer:
                 self.writer.add_text(
                     "inference/events",
                     f"step {d.step}: {d.verdict} -> environment {d.env} (predicted {d.predicted}; "
-                    f"failed on: {', '.join(d.reasons) or '-'}; error {d.error:.1f} vs threshold {d.threshold:.1f})",
+                    f"failed on: {', '.join(d.reasons) or '-'}; error {d.error:.1f} vs threshold {d.threshold:.1f}; "
+                    f"mask disagreed on latents {d.disagreeing or '-'})",
                     d.step + 1,
                 )
 
