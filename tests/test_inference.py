@@ -87,3 +87,14 @@ def test_error_margin_absorbs_noise_of_a_near_perfect_environment():
     decide(inf, masks, 0, 1.0)
     assert decide(inf, masks, 1, 3.0).verdict == "same"  # 3 > 1.5 * 1 but within the margin
     assert decide(inf, masks, 2, 40.0).verdict == "new"
+
+
+def test_new_environment_trains_unjudged_during_cooldown():
+    inf, masks = setup(patience=1, cooldown=5)
+    decide(inf, masks, 0, 100.0)
+    # Inside the cooldown even a terrible batch is not judged...
+    assert decide(inf, masks, 1, 10_000.0).verdict == "same"
+    inf.errors[0] = 100.0  # (its error is still recorded into L_0; reset it for the next check)
+    # ...and the first judged step (5) allocates at once.
+    assert decide(inf, masks, 5, 10_000.0).verdict == "new"
+    assert decide(inf, masks, 6, 10_000.0).verdict == "same"  # the new env's own cooldown

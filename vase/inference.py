@@ -11,10 +11,11 @@ Two [ours] additions make this usable on a real stream, each a named setting:
   allocation the classifier has not learnt the new slot yet and keeps predicting the old one;
   one batch of the new environment that slips through the old environment's test would then be
   trained under the old slot, move its statistics, and the old slot would absorb the new data.
-- A "new" verdict must hold on `patience` consecutive batches (a single batch is a noisy witness),
-  and allocations are at least `cooldown` steps apart. While a verdict is pending the batch is
-  trained under the current environment, but that environment's statistics (L_s, usage, mask)
-  are not updated with it.
+- A "new" verdict must hold on `patience` consecutive batches (a single batch is a noisy witness).
+  While a verdict is pending the batch is trained under the current environment, but that
+  environment's statistics (L_s, usage, mask) are not updated with it.
+- For `cooldown` steps after an allocation the new environment trains unjudged, so that its
+  statistics settle first.
 """
 from __future__ import annotations
 
@@ -129,6 +130,12 @@ class EnvironmentInference:
         if self.n_envs == 0:
             return self._allocate(step, 0, "first", [])
         predicted = self.predict(probs)
+        if step - self.last_allocation < self.cfg.cooldown:
+            # A new environment's L_s, usage and mask rest on a handful of batches; judged against
+            # them, every batch of it fails, and freezing them while the verdict is pending would
+            # never let them settle. So it trains unjudged for `cooldown` steps [ours].
+            self.pending = 0
+            return Decision(step, self.current, predicted, "same")
         # The current environment is tested first [ours]: a stream is piece-wise stationary, and a
         # classifier trained for a thousand steps on one environment keeps predicting it for a
         # while after a new one is allocated. Eq. 6's s_hat decides only when the current fails.
@@ -145,8 +152,7 @@ class EnvironmentInference:
                 return Decision(step, env, predicted, verdict, *first)
         reasons, error, threshold, latents = first
         self.pending += 1
-        waiting = self.pending < self.cfg.patience or step - self.last_allocation < self.cfg.cooldown
-        if waiting:
+        if self.pending < self.cfg.patience:
             return Decision(step, self.current, predicted, "pending", reasons, error, threshold, latents)
         if self.n_envs >= self.k_max:
             if not self.full_warned:
