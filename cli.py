@@ -58,9 +58,9 @@ def main(ctx):
               help="Network size: 'paper' (64-64-128-128 convs) or 'cpu' (32 channels everywhere).")
 @click.option("--sequence", callback=_check_sequence, default=None,
               help=f"Comma-separated environments in training order. Default: {DEFAULT_SEQUENCE_HELP}.")
-@click.option("--steps", default=None, help="Steps per environment: one number, or one per environment (comma list).")
+@click.option("--steps", default=None, help="Steps per environment: one number, or one per environment (comma list). Default: 1200.")
 @click.option("--ablation", default=None,
-              help="Table 1 row: '-', S, D, A, SA, DA, SD, SDA (full VASE, default) or SD-[41].")
+              help="Table 1 row: S, D, A, SA, DA, SD, SDA (full VASE, default), SD-[41], or '-' (write --ablation=-).")
 @click.option("--entangled", is_flag=True, help="Plain VAE objective (beta = 1) instead of the capacity objective.")
 @click.option("--seed", type=int, default=None, help="Training seed (weights, batches, noise).")
 @click.option("--data-root", type=click.Path(file_okay=False), default=None,

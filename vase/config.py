@@ -27,7 +27,7 @@ class DataConfig:
     # Comma-separated environment names, trained in this order (spec §9).
     sequence: str = "moving_shapes_a,shapes_b,moving_shapes_b"
     # Training steps per environment: one int for all, or a comma list with one per environment.
-    steps_per_env: str = "2000"
+    steps_per_env: str = "1200"
     # Where downloaded, imported and cached data lives; VASE_DATA_ROOT overrides the default.
     root: str = ""
     download: bool = False

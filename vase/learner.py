@@ -142,7 +142,7 @@ class Learner:
         if decision.verdict != "pending":
             if cfg.mask.enabled:
                 self.masks.update(s, alpha, maskable)
-            self.inference.record(s, float(recon.detach().mean()), kl_batch)
+            self.inference.record(s, float(recon.detach().mean()), kl_batch * mask)  # masked latents carry no KL (eq. 2)
         if cfg.dream.enabled and (t + 1) % cfg.dream.snapshot_every == 0:
             self.snapshot.sync(self.model)  # every tau steps (paper §3.5)
         self.step += 1

@@ -1,6 +1,21 @@
-"""Encoder q_phi(z|x), decoder p_theta(x|z,s) and environment classifier q_psi(s|x) (spec §2)."""
+"""Encoder q_phi(z|x), decoder p_theta(x|z,s) and environment classifier q_psi(s|x) (spec §2).
+
+How the convolutions are computed is an implementation choice of each Encoder/Decoder
+(`implementation` attribute, see `use_implementation`); all of them compute the same function of the
+same parameters (tests/test_bench.py checks this), and `vase bench` measures them side by side:
+
+- "fast" (the default when model.channels_last is on): activations in channels_last, each conv
+  layer and its ReLU are one autograd node (`_ConvReLU`) that picks the faster memory format per
+  operation, and the decoder's last transposed conv (to C=1 channels) is a matmul plus an
+  overlap-add instead of oneDNN's slow 1-output-channel deconvolution. See docs/benchmarks.md.
+- "channels_last": the previous implementation (everything channels_last, plain nn.Sequential).
+- "nchw": plain nn.Sequential on contiguous NCHW tensors (model.channels_last off).
+"""
 from __future__ import annotations
 
+import ctypes
+import os
+import sys
 from typing import NamedTuple
 
 import torch
@@ -12,6 +27,14 @@ from vase.config import ModelConfig
 IMAGE_SIZE = 64
 # Four stride-2 convs take 64x64 down to 4x4.
 FEATURE_SIZE = IMAGE_SIZE // 16
+
+IMPLEMENTATIONS = ("fast", "channels_last", "nchw")
+_CL = torch.channels_last
+_aten = torch.ops.aten
+# Every conv of the model: kernel 4, stride 2, padding 1.
+_STRIDE, _PADDING, _DILATION = [2, 2], [1, 1], [1, 1]
+# Transposed convs with at least this many output channels compute their weight gradient in NCHW.
+NCHW_WEIGHT_GRAD_MIN_CHANNELS = 2
 
 
 class Posterior(NamedTuple):
@@ -31,6 +54,151 @@ def _conv_stack(channels: list[int], transposed: bool) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+# -- the conv layers ------------------------------------------------------------------------------------
+def _deconv_one_channel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """conv_transpose2d(x, weight, bias, stride 2, padding 1) for a 4x4 kernel and ONE output channel.
+
+    oneDNN runs this shape at a few GFLOP/s (the decoder's last layer), so: one matmul of the
+    channels_last input (B*H*W, C) with the kernel (C, 16) gives each input pixel's 4x4 output
+    patch, and four strided adds overlap the patches (output row 2i+ky-1 gets patch row ky of
+    input row i; with ky = 2*dy + py it lands in padded row 2*(i+dy) + py).
+    """
+    B, C, H, W = x.shape
+    patches = torch.mm(x.permute(0, 2, 3, 1).reshape(-1, C), weight.reshape(C, 16))
+    patches = patches.view(B, H, W, 2, 2, 2, 2)  # (dy, py, dx, px)
+    out = x.new_zeros(B, H + 1, 2, W + 1, 2)
+    for dy in (0, 1):
+        for dx in (0, 1):
+            out[:, dy:dy + H, :, dx:dx + W, :] += patches[:, :, :, dy, :, dx, :].transpose(2, 3)
+    out = out.view(B, 1, 2 * H + 2, 2 * W + 2)[:, :, 1:-1, 1:-1]
+    if bias is not None:
+        out = out + bias.view(1, 1, 1, 1)
+    return out.contiguous()
+
+
+class _ConvReLU(torch.autograd.Function):
+    """One conv layer of a `_conv_stack` (4x4, stride 2, padding 1, groups 1, plain or transposed) and its optional ReLU as a single
+    autograd node, with the memory format chosen per operation (measured by `vase bench`):
+
+    - forward and input gradient in channels_last (faster for every layer shape here);
+    - weight gradient of transposed convs in NCHW (oneDNN's channels_last weight gradient is up to 2x
+      slower for them in isolation; a few % of the whole step);
+    - the ReLU is applied in place and its backward reads the saved output in the same memory format
+      as the incoming gradient (a mixed-format threshold_backward is ~10x slower).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, transposed: bool, relu: bool):  # noqa: D401
+        x = x.contiguous(memory_format=_CL)
+        if transposed and weight.shape[1] == 1:
+            y = _deconv_one_channel(x, weight, bias)
+        else:
+            y = _aten.convolution(x, weight, bias, _STRIDE, _PADDING, _DILATION, transposed, [0, 0], 1)
+        if relu:
+            y = y.relu_()
+        ctx.transposed, ctx.relu, ctx.has_bias = transposed, relu, bias is not None
+        ctx.save_for_backward(x, weight, y if relu else None)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        x, weight, y = ctx.saved_tensors
+        transposed = ctx.transposed
+        grad = grad.contiguous(memory_format=_CL)
+        if ctx.relu:
+            grad = _aten.threshold_backward(grad, y, 0)
+        out_channels = weight.shape[1] if transposed else weight.shape[0]
+        grad_x = grad_w = grad_b = None
+        args = (_STRIDE, _PADDING, _DILATION, transposed, [0, 0], 1)
+        if ctx.needs_input_grad[0]:
+            grad_x = _aten.convolution_backward(grad, x, weight, [out_channels], *args, [True, False, False])[0]
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            if transposed and out_channels >= NCHW_WEIGHT_GRAD_MIN_CHANNELS:
+                g, xx, w = grad.contiguous(), x.contiguous(), weight.contiguous()
+            else:
+                g, xx, w = grad, x, weight
+            _, grad_w, grad_b = _aten.convolution_backward(
+                g, xx, w, [out_channels], *args, [False, ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]]
+            )
+        return grad_x, grad_w, grad_b, None, None
+
+
+def _layers(stack: nn.Sequential) -> list[tuple[nn.Module, bool]]:
+    """(conv, followed by a ReLU) for each conv of a `_conv_stack`."""
+    mods = list(stack)
+    return [(m, i + 1 < len(mods) and isinstance(mods[i + 1], nn.ReLU))
+            for i, m in enumerate(mods) if isinstance(m, (nn.Conv2d, nn.ConvTranspose2d))]
+
+
+def run_stack(stack: nn.Sequential, h: torch.Tensor, implementation: str) -> torch.Tensor:
+    """Apply a conv stack with the given implementation (all compute the same function)."""
+    if implementation == "fast":
+        for conv, relu in _layers(stack):
+            h = _ConvReLU.apply(h, conv.weight, conv.bias, isinstance(conv, nn.ConvTranspose2d), relu)
+        return h
+    if implementation == "channels_last":
+        return stack(h.contiguous(memory_format=_CL))
+    if implementation == "nchw":
+        h = h.contiguous()
+        for m in stack:
+            if isinstance(m, nn.ConvTranspose2d):
+                h = F.conv_transpose2d(h, m.weight.contiguous(), m.bias, 2, 1)
+            elif isinstance(m, nn.Conv2d):
+                h = F.conv2d(h, m.weight.contiguous(), m.bias, 2, 1)
+            else:
+                h = m(h)
+        return h
+    raise ValueError(f"unknown conv implementation {implementation!r}; known: {', '.join(IMPLEMENTATIONS)}")
+
+
+def use_implementation(module: nn.Module, implementation: str) -> nn.Module:
+    """Set how every Encoder/Decoder inside `module` computes its convs (for benchmarks and tests)."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown conv implementation {implementation!r}; known: {', '.join(IMPLEMENTATIONS)}")
+    for m in module.modules():
+        if isinstance(m, (Encoder, Decoder)):
+            m.implementation = implementation
+    return module
+
+
+def _default_implementation(cfg: ModelConfig) -> str:
+    return "fast" if cfg.channels_last else "nchw"
+
+
+# glibc's malloc gives freed blocks above a (dynamic) threshold back to the kernel, so the tens of
+# MB of activations of every training step were page-faulted in again on the next step (~27k minor
+# faults and ~50-70 ms of system time per step of the paper preset, ~14k for the cpu preset).
+# Keeping freed memory in the heap for reuse removes that; `vase bench` measures the effect on speed
+# and on the peak memory of a default run. VASE_KEEP_FREED_MEMORY=0 leaves glibc's defaults alone.
+_MMAP_THRESHOLD, _TRIM_THRESHOLD = -3, -1  # mallopt parameter numbers (malloc.h)
+KEEP_FREED_MEMORY = {_MMAP_THRESHOLD: 64 * 1024 * 1024, _TRIM_THRESHOLD: 1024 * 1024 * 1024}
+KEEP_FREED_MEMORY_ENV = "VASE_KEEP_FREED_MEMORY"
+_allocator_tuned = False
+
+
+def set_malloc_thresholds(settings: dict[int, int]) -> bool:
+    """Apply mallopt settings (glibc only); False where they cannot be applied."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return all(libc.mallopt(k, v) == 1 for k, v in settings.items())
+    except (OSError, AttributeError):
+        return False
+
+
+def keep_freed_memory() -> None:
+    """Once per process (called when a VAE is built): keep freed activation memory for reuse."""
+    global _allocator_tuned
+    if _allocator_tuned:
+        return
+    _allocator_tuned = True
+    if os.environ.get(KEEP_FREED_MEMORY_ENV, "1").strip().lower() not in ("0", "false", "no", "off"):
+        set_malloc_thresholds(KEEP_FREED_MEMORY)
+
+
+# -- the networks ----------------------------------------------------------------------------------------
 class Encoder(nn.Module):
     """4 convs 4x4/2 -> fc hidden -> (mu, log sigma^2). mu and sigma never see s (eq. 2)."""
 
@@ -40,12 +208,10 @@ class Encoder(nn.Module):
         self.convs = _conv_stack([cfg.image_channels, *chans], transposed=False)
         self.fc = nn.Linear(chans[-1] * FEATURE_SIZE * FEATURE_SIZE, cfg.hidden)
         self.head = nn.Linear(cfg.hidden, 2 * cfg.latents)
-        self.channels_last = cfg.channels_last
+        self.implementation = _default_implementation(cfg)
 
     def forward(self, x: torch.Tensor) -> Posterior:
-        if self.channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
-        h = self.convs(x)
+        h = run_stack(self.convs, x, self.implementation)
         h = F.relu(self.fc(h.flatten(1)))
         mu, logvar = self.head(h).chunk(2, dim=1)
         return Posterior(mu, logvar, h)
@@ -66,16 +232,14 @@ class Decoder(nn.Module):
         self.fc1 = nn.Linear(cfg.latents + cfg.k_max, cfg.hidden)
         self.fc2 = nn.Linear(cfg.hidden, chans[-1] * FEATURE_SIZE * FEATURE_SIZE)
         self.deconvs = _conv_stack([*reversed(chans), cfg.image_channels], transposed=True)
-        self.channels_last = cfg.channels_last
+        self.implementation = _default_implementation(cfg)
 
     def forward(self, z: torch.Tensor, env: torch.Tensor) -> torch.Tensor:
         """z: (B, N); env: (B,) int64 environment slots. Returns logits (B, C, 64, 64)."""
         onehot = F.one_hot(env, self.k_max).to(z.dtype)
         h = F.relu(self.fc1(torch.cat([z, onehot], dim=1)))
         h = F.relu(self.fc2(h)).view(-1, self.top_channels, FEATURE_SIZE, FEATURE_SIZE)
-        if self.channels_last:
-            h = h.contiguous(memory_format=torch.channels_last)
-        return self.deconvs(h)
+        return run_stack(self.deconvs, h, self.implementation)
 
 
 class EnvironmentClassifier(nn.Module):
@@ -113,3 +277,4 @@ class VAE(nn.Module):
         he_init(self)
         if cfg.channels_last:
             self.to(memory_format=torch.channels_last)
+        keep_freed_memory()
