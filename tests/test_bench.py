@@ -94,6 +94,8 @@ def test_optimised_networks_match_a_plain_nchw_evaluation(preset):
                       ("decoder.deconvs.4", ref.decoder[9]), ("decoder.deconvs.6", ref.decoder[11])]:
         g, g_ref = ours[f"{name}.weight"].grad, src.weight.grad
         torch.testing.assert_close(g, g_ref, atol=1e-4 * float(g_ref.abs().max()), rtol=0)
+        gb, gb_ref = ours[f"{name}.bias"].grad, src.bias.grad
+        torch.testing.assert_close(gb, gb_ref, atol=1e-4 * float(gb_ref.abs().max()), rtol=0)
 
 
 def test_every_implementation_gives_the_same_outputs():

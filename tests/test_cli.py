@@ -38,7 +38,7 @@ STEPS = 20
 RESULT_KEYS = {
     "ablation", "mode", "preset", "sequence", "steps_per_env", "seed", "steps", "wall_time_s",
     "environments_inferred", "environments_true", "inferred_vs_true", "inference_events", "pending_batches",
-    "final_masks", "heldout_reconstruction_matrix", "disentanglement", "probes",
+    "final_masks", "heldout_reconstruction_matrix", "latent_use", "disentanglement", "probes",
 }
 
 

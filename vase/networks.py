@@ -6,8 +6,9 @@ same parameters (tests/test_bench.py checks this), and `vase bench` measures the
 
 - "fast" (the default when model.channels_last is on): activations in channels_last, each conv
   layer and its ReLU are one autograd node (`_ConvReLU`) that picks the faster memory format per
-  operation, and the decoder's last transposed conv (to C=1 channels) is a matmul plus an
-  overlap-add instead of oneDNN's slow 1-output-channel deconvolution. See docs/benchmarks.md.
+  operation, the decoder's last transposed conv (to C=1 channels) is a matmul plus an
+  overlap-add instead of oneDNN's slow 1-output-channel deconvolution, and the weight gradient of
+  the encoder's first conv (from C=1 channels) is a matmul over strided image patches. See docs/benchmarks.md.
 - "channels_last": the previous implementation (everything channels_last, plain nn.Sequential).
 - "nchw": plain nn.Sequential on contiguous NCHW tensors (model.channels_last off).
 """
@@ -76,6 +77,23 @@ def _deconv_one_channel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return out.contiguous()
 
 
+def _conv_one_channel_weight_grad(grad: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight and bias gradients of conv2d(x, w, stride 2, padding 1) for a 4x4 kernel and ONE input
+    channel (the encoder's first layer, on the images).
+
+    oneDNN computes this at ~6 % of the matmul peak; here the 4x4 input patch of every output pixel
+    is a strided view of the padded image (patch (ky, kx) of output (oy, ox) is padded pixel
+    (2*oy + ky, 2*ox + kx)), and the gradient is one matmul with the channels_last output gradient.
+    """
+    B, _, H, W = x.shape
+    Ho, Wo, C = grad.shape[2], grad.shape[3], grad.shape[1]
+    padded = F.pad(x.reshape(B, H, W), (1, 1, 1, 1))
+    Hp, Wp = H + 2, W + 2
+    patches = padded.as_strided((B, Ho, Wo, 4, 4), (Hp * Wp, 2 * Wp, 2, Wp, 1)).reshape(-1, 16)
+    g = grad.permute(0, 2, 3, 1).reshape(-1, C)  # a view when grad is channels_last
+    return g.t().mm(patches).view(C, 1, 4, 4), g.sum(0)
+
+
 class _ConvReLU(torch.autograd.Function):
     """One conv layer of a `_conv_stack` (4x4, stride 2, padding 1, groups 1, plain or transposed) and its optional ReLU as a single
     autograd node, with the memory format chosen per operation (measured by `vase bench`):
@@ -83,6 +101,7 @@ class _ConvReLU(torch.autograd.Function):
     - forward and input gradient in channels_last (faster for every layer shape here);
     - weight gradient of transposed convs in NCHW (oneDNN's channels_last weight gradient is up to 2x
       slower for them in isolation; a few % of the whole step);
+    - weight gradient of the one-input-channel first conv as a matmul over image patches;
     - the ReLU is applied in place and its backward reads the saved output in the same memory format
       as the incoming gradient (a mixed-format threshold_backward is ~10x slower).
     """
@@ -113,7 +132,11 @@ class _ConvReLU(torch.autograd.Function):
         args = (_STRIDE, _PADDING, _DILATION, transposed, [0, 0], 1)
         if ctx.needs_input_grad[0]:
             grad_x = _aten.convolution_backward(grad, x, weight, [out_channels], *args, [True, False, False])[0]
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+        if (ctx.needs_input_grad[1] or ctx.needs_input_grad[2]) and not transposed and weight.shape[1] == 1:
+            grad_w, grad_b = _conv_one_channel_weight_grad(grad, x)
+            grad_w = grad_w.contiguous(memory_format=_CL) if weight.is_contiguous(memory_format=_CL) else grad_w
+            grad_b = grad_b if ctx.has_bias else None
+        elif ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             if transposed and out_channels >= NCHW_WEIGHT_GRAD_MIN_CHANNELS:
                 g, xx, w = grad.contiguous(), x.contiguous(), weight.contiguous()
             else:

@@ -28,6 +28,14 @@ def summary_text(results: dict, run_dir: Path) -> str:
         lines.append("  " + " " * 18 + "".join(f"{'after ' + str(j + 1):>10}" for j in range(len(matrix))))
         for i, name in enumerate(names):
             lines.append(f"  {name:<18}" + "".join(f"{row[i]:>10.1f}" for row in matrix))
+    use = results.get("latent_use") or []
+    if use:
+        lines.append("latent use at the end (unmasked latents with KL above the 'used' level):")
+        for row in use:
+            lines.append(
+                f"  {row['true_env']:<18} slot {row['slot']}: {len(row['active']):>2}/{len(row['kl_per_latent'])} active "
+                f"{row['active']}, masked {row['masked']}"
+            )
     probes = results.get("probes")
     if probes:
         from vase.metrics.continual import format_table1_row, table1_header

@@ -18,7 +18,7 @@ from vase.data.environments import load_sequence
 from vase.errors import CheckpointError, NumericalError, VaseError
 from vase.evaluation import ENCODER_DIR, FrozenEncoder, disentanglement_scores, encoder_path
 from vase.learner import Learner, StepOutput
-from vase.objective import reconstruction_nll
+from vase.objective import kl_per_latent, reconstruction_nll
 from vase.probing import ProbeSuite
 from vase.stream import Stream
 from vase.visualize import mask_image, reconstruction_grid, traversal_grid
@@ -257,6 +257,24 @@ class Trainer:
             errors.append(float(reconstruction_nll(torch.logit(recon), x).mean()))
         return errors
 
+    @torch.no_grad()
+    def latent_use(self) -> list[dict]:
+        """Per true environment, at the end: its slot, the mean KL of each latent over its held-out
+        images, that slot's mask, and the latents it actively uses (unmasked with KL > used_kl), as
+        the paper reads Fig. 3's latent-use matrix."""
+        rows = []
+        for env, x in zip(self.envs, self.held_out):
+            slot = self.learner.infer_slot(x)
+            post = self.learner.model.encoder(x)
+            kl = kl_per_latent(post.mu, post.logvar).mean(0)
+            mask = self.learner.masks.mask(slot)
+            active = ((kl > self.cfg.inference.used_kl) & mask.bool()).nonzero().flatten().tolist()
+            rows.append({
+                "true_env": env.name, "slot": slot, "kl_per_latent": [round(float(k), 4) for k in kl],
+                "masked": (mask == 0).nonzero().flatten().tolist(), "active": active,
+            })
+        return rows
+
     def _boundary(self, step: int, true_env: int) -> None:
         self.record.recon_matrix.append(self.heldout_errors(len(self.envs) - 1))
         encode = self.frozen_encoder.load(self.learner.model.encoder.state_dict())
@@ -324,6 +342,7 @@ class Trainer:
             "pending_batches": self.record.pending,
             "final_masks": self.learner.masks.masks[: max(1, self.learner.inference.n_envs)].int().tolist(),
             "heldout_reconstruction_matrix": self.record.recon_matrix,
+            "latent_use": self.latent_use(),
             "disentanglement": self.record.disentanglement,
         }
         if self.probes:
