@@ -176,3 +176,17 @@ def test_train_on_the_digit_sequence(digit_root, tmp_path):
     final = results["probes"]["history"][-1]["values"]
     assert {"object_id/moving_fashion", "object_id/mnist", "position_mse/moving_mnist"} <= set(final)
     assert "Table 1 row:" in result.stdout
+
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+@pytest.mark.parametrize("command", [[], ["train"], ["eval"], ["data"], ["bench"]])
+def test_readme_shows_the_current_help(command):
+    """The README's `vase ... --help` blocks are the CLI's own output (80 columns), kept true to the code."""
+    shown = CliRunner().invoke(main, command + ["--help"], prog_name="vase", terminal_width=80).output
+    text = README.read_text()
+    header = "$ vase " + " ".join(command + ["--help"]) + "\n"
+    assert header in text, f"README has no block for `vase {' '.join(command)} --help`"
+    block = text.split(header, 1)[1].split("```", 1)[0]
+    assert block == shown

@@ -98,3 +98,36 @@ def test_new_environment_trains_unjudged_during_cooldown():
     # ...and the first judged step (5) allocates at once.
     assert decide(inf, masks, 5, 10_000.0).verdict == "new"
     assert decide(inf, masks, 6, 10_000.0).verdict == "same"  # the new env's own cooldown
+
+
+def test_a_past_environment_the_classifier_ranks_second_is_still_reidentified():
+    inf, masks = setup(patience=1)
+    decide(inf, masks, 0, 100.0)
+    decide(inf, masks, 1, {0: 400.0, 1: 100.0})  # new env 1
+    decide(inf, masks, 2, {0: 400.0, 1: 400.0, 2: 100.0})  # new env 2
+    assert inf.n_envs == 3 and inf.current == 2
+    # The data is env 0's again, but the classifier has drifted to env 1: both the current env and
+    # s_hat fail, and env 0, ranked next, passes.
+    d = decide(inf, masks, 3, {0: 110.0, 1: 400.0, 2: 400.0}, probs=torch.tensor([0.2, 0.7, 0.1]))
+    assert (d.verdict, d.env, d.predicted) == ("switch", 0, 1) and inf.n_envs == 3
+
+
+def test_a_change_of_the_current_mask_reopens_the_settling_period():
+    inf, masks = setup(patience=1, cooldown=5)
+    decide(inf, masks, 0, 100.0)
+    for t in range(1, 6):
+        decide(inf, masks, t, 100.0)
+    inf.resettle(0, 6)  # the learner calls this when a^0 changes while training in env 0
+    assert not inf.recorded[0]  # L_0 is learnt again under the new mask
+    assert decide(inf, masks, 7, 10_000.0).verdict == "same"  # unjudged while it settles
+    assert inf.errors[0] == 10_000.0
+    inf.errors[0] = 100.0
+    assert decide(inf, masks, 11, 10_000.0).verdict == "new"  # judged again after the cooldown
+
+
+def test_resettling_a_past_environment_changes_nothing():
+    inf, masks = setup(patience=1, cooldown=5)
+    decide(inf, masks, 0, 100.0)
+    decide(inf, masks, 10, {0: 400.0, 1: 100.0})  # env 1 is current
+    inf.resettle(0, 20)
+    assert inf.settling_since == 10 and inf.recorded[0]

@@ -83,6 +83,20 @@ def test_masked_latents_get_no_gradient_in_the_step():
     del mask, post
 
 
+def test_a_mask_change_in_the_step_reopens_the_settling_period():
+    lrn = learner("SDA", ["inference.cooldown=3", "mask.ema=0"])
+    x = squares(16, torch.Generator().manual_seed(0), 0)
+    for _ in range(5):
+        lrn.training_step(x)
+    assert lrn.inference.settling_since == 0  # only the allocation so far
+    # Make every latent maskable and atypical: the step's mask update switches latents off.
+    lrn.inference.maskable = lambda env: torch.ones(6, dtype=torch.bool)
+    lrn.cfg.mask.lambda_low, lrn.cfg.mask.lambda_high = -2.0, -1.0
+    out = lrn.training_step(x)
+    assert torch.equal(out.mask, torch.ones(6)) and not torch.equal(lrn.masks.mask(0), torch.ones(6))
+    assert lrn.inference.settling_since == out.step and not lrn.inference.recorded[0]
+
+
 @pytest.mark.slow
 def test_synthetic_two_environment_stream_gets_exactly_two_environments():
     torch.manual_seed(0)

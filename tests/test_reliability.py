@@ -445,3 +445,18 @@ def test_sigkill_at_any_moment_then_resume_is_bit_identical(tmp_path, sprite_dat
     assert scalar_series(killed / "tb") == scalar_series(straight / "tb")
     straight_encoders = sorted(p.name for p in (straight / "checkpoints" / "encoders").iterdir())
     assert sorted(p.name for p in (killed / "checkpoints" / "encoders").iterdir()) == straight_encoders
+
+
+@pytest.mark.slow
+def test_probes_do_not_change_training(tmp_path, sprite_data):
+    """Probe evaluations read the encoder only: a run with probes every 10 steps and a run without
+    probes end with bit-identical learners (weights, Adam states, masks, RNG streams, C(t) step)."""
+    with_probes, without = tmp_path / "with", tmp_path / "without"
+    assert invoke(tiny_args(with_probes, sprite_data)).exit_code == 0
+    assert invoke(tiny_args(without, sprite_data, probe__enabled="false")).exit_code == 0
+    a, b = learner_state(with_probes), learner_state(without)
+    assert_same_learner(a, b)
+    for part in ("masks", "inference"):
+        for key, value in a[part].items():
+            assert (torch.equal(value, b[part][key]) if torch.is_tensor(value) else value == b[part][key]), key
+    assert "probes" in read_results(with_probes) and "probes" not in read_results(without)

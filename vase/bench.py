@@ -246,7 +246,7 @@ def prepare_environments(learner, n_envs: int) -> None:
     inf.errors[:n_envs] = 1e12
     inf.recorded[:n_envs] = True
     inf.usage.zero_()
-    inf.pending, inf.last_allocation = 0, -(10**9)
+    inf.pending, inf.settling_since = 0, -(10**9)
     for s in range(n_envs):
         learner.masks.start(s, torch.zeros(cfg.model.latents))
     with torch.no_grad():

@@ -103,7 +103,7 @@ class MaskConfig:
 class InferenceConfig:
     # S: environment inference (eq. 6).
     enabled: bool = True
-    kappa: float = 1.5  # reconstruction threshold multiple [ours, calibrated]
+    kappa: float = 2.0  # reconstruction threshold multiple [ours, calibrated: docs/calibration.md]
     # Additive slack of the threshold, kappa * L_s + margin, in nats per image [ours]: once an
     # environment is learnt to ~1 nat (three static sprites), kappa * L alone is batch noise.
     error_margin: float = 25.0

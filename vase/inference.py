@@ -15,7 +15,12 @@ Two [ours] additions make this usable on a real stream, each a named setting:
   While a verdict is pending the batch is trained under the current environment, but that
   environment's statistics (L_s, usage, mask) are not updated with it.
 - For `cooldown` steps after an allocation the new environment trains unjudged, so that its
-  statistics settle first.
+  statistics settle first. A change of the current environment's own mask re-opens that settling
+  period: L_s was measured with the old mask, and the decoder input has just changed.
+- When both the current environment and s_hat fail, the other past environments are tried in the
+  order of q_psi(s|x) before a new one is allocated. This costs extra decodes only on failing
+  batches (a handful at each boundary), and makes re-identification robust to a classifier that
+  has drifted towards the newest environment.
 """
 from __future__ import annotations
 
@@ -64,7 +69,7 @@ class EnvironmentInference:
         self.usage = torch.zeros(k_max, latents)  # running per-latent KL while training in s
         self.recorded = torch.zeros(k_max, dtype=torch.bool)
         self.pending = 0
-        self.last_allocation = -(10**9)
+        self.settling_since = -(10**9)  # step of the last allocation or mask change of `current`
         self.full_warned = False
 
     # -- queries ----------------------------------------------------------------------------------
@@ -130,7 +135,7 @@ class EnvironmentInference:
         if self.n_envs == 0:
             return self._allocate(step, 0, "first", [])
         predicted = self.predict(probs)
-        if step - self.last_allocation < self.cfg.cooldown:
+        if step - self.settling_since < self.cfg.cooldown:
             # A new environment's L_s, usage and mask rest on a handful of batches; judged against
             # them, every batch of it fails, and freezing them while the verdict is pending would
             # never let them settle. So it trains unjudged for `cooldown` steps [ours].
@@ -138,8 +143,10 @@ class EnvironmentInference:
             return Decision(step, self.current, predicted, "same")
         # The current environment is tested first [ours]: a stream is piece-wise stationary, and a
         # classifier trained for a thousand steps on one environment keeps predicting it for a
-        # while after a new one is allocated. Eq. 6's s_hat decides only when the current fails.
-        candidates = [self.current] + ([predicted] if predicted != self.current else [])
+        # while after a new one is allocated. Eq. 6's s_hat decides only when the current fails,
+        # then the rest in the classifier's order [ours].
+        ranked = probs[: self.n_envs].argsort(descending=True, stable=True).tolist()
+        candidates = [self.current] + [s for s in ranked if s != self.current]
         first = None
         for env in candidates:
             error = error_under(env)
@@ -173,9 +180,16 @@ class EnvironmentInference:
         self.n_envs = env + 1
         self.current = env
         self.pending = 0
-        self.last_allocation = step
+        self.settling_since = step
         self.recorded[env] = False
         return Decision(step, env, env, verdict, reasons)
+
+    def resettle(self, env: int, step: int) -> None:
+        """The mask of `env` changed while training in it: judge it again only after `cooldown`
+        steps, with L_env re-learnt under the new mask [ours]."""
+        if env == self.current:
+            self.settling_since = step
+            self.recorded[env] = False
 
     def record(self, env: int, error: float, kl: torch.Tensor) -> None:
         """Fold a trained batch into L_env and the latent usage of env."""
@@ -196,12 +210,12 @@ class EnvironmentInference:
             "usage": self.usage.clone(),
             "recorded": self.recorded.clone(),
             "pending": self.pending,
-            "last_allocation": self.last_allocation,
+            "settling_since": self.settling_since,
             "full_warned": self.full_warned,
         }
 
     def load_state_dict(self, d: dict) -> None:
         self.n_envs, self.current = int(d["n_envs"]), int(d["current"])
         self.errors, self.usage, self.recorded = d["errors"].clone(), d["usage"].clone(), d["recorded"].clone()
-        self.pending, self.last_allocation = int(d["pending"]), int(d["last_allocation"])
+        self.pending, self.settling_since = int(d["pending"]), int(d["settling_since"])
         self.full_warned = bool(d["full_warned"])

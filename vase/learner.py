@@ -140,9 +140,9 @@ class Learner:
 
         # Bookkeeping of eq. 5 and eq. 6 for the environment just trained (not on a doubtful batch).
         if decision.verdict != "pending":
-            if cfg.mask.enabled:
-                self.masks.update(s, alpha, maskable)
             self.inference.record(s, float(recon.detach().mean()), kl_batch * mask)  # masked latents carry no KL (eq. 2)
+            if cfg.mask.enabled and not torch.equal(self.masks.update(s, alpha, maskable), mask):
+                self.inference.resettle(s, t)  # L_s was measured under the old mask
         if cfg.dream.enabled and (t + 1) % cfg.dream.snapshot_every == 0:
             self.snapshot.sync(self.model)  # every tau steps (paper §3.5)
         self.step += 1
