@@ -31,7 +31,7 @@ def test_latent_use_reports_kl_mask_and_active_latents():
     fake = SimpleNamespace(
         cfg=cfg, learner=learner, envs=[SimpleNamespace(name="one")], held_out=[torch.rand(5, 1, 64, 64)],
     )
-    (row,) = Trainer.latent_use(fake)
+    (row,) = Trainer.latent_use(fake, [0])
     assert row["true_env"] == "one" and row["slot"] == 0
     assert row["kl_per_latent"][0] == 2.0 and row["kl_per_latent"][2] == 0.125
     assert sum(row["kl_per_latent"]) == 2.125

@@ -30,7 +30,7 @@ def summary_text(results: dict, run_dir: Path) -> str:
             lines.append(f"  {name:<18}" + "".join(f"{row[i]:>10.1f}" for row in matrix))
     use = results.get("latent_use") or []
     if use:
-        lines.append("latent use at the end (unmasked latents with KL above the 'used' level):")
+        lines.append("latent use at the end, under the slot each environment was trained in (unmasked latents with KL above inference.used_kl):")
         for row in use:
             lines.append(
                 f"  {row['true_env']:<18} slot {row['slot']}: {len(row['active']):>2}/{len(row['kl_per_latent'])} active "

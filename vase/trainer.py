@@ -258,13 +258,13 @@ class Trainer:
         return errors
 
     @torch.no_grad()
-    def latent_use(self) -> list[dict]:
-        """Per true environment, at the end: its slot, the mean KL of each latent over its held-out
-        images, that slot's mask, and the latents it actively uses (unmasked with KL > used_kl), as
-        the paper reads Fig. 3's latent-use matrix."""
+    def latent_use(self, slots: list[int]) -> list[dict]:
+        """Per true environment, at the end: the slot it was trained under (`slots`, the majority of
+        its steps), the mean KL of each latent over its held-out images, that slot's mask, and the
+        latents it actively uses (unmasked with KL > used_kl), as the paper reads Fig. 3's
+        latent-use matrix."""
         rows = []
-        for env, x in zip(self.envs, self.held_out):
-            slot = self.learner.infer_slot(x)
+        for env, x, slot in zip(self.envs, self.held_out, slots):
             post = self.learner.model.encoder(x)
             kl = kl_per_latent(post.mu, post.logvar).mean(0)
             mask = self.learner.masks.mask(slot)
@@ -326,6 +326,7 @@ class Trainer:
         return rows
 
     def results(self) -> dict:
+        inferred = self.inferred_environments()
         out = {
             "ablation": self.cfg.ablation(),
             "mode": self.cfg.objective.mode,
@@ -337,12 +338,12 @@ class Trainer:
             "wall_time_s": round(self.record.wall_time, 1),
             "environments_inferred": self.learner.inference.n_envs,
             "environments_true": len(set(self.cfg.data.env_names())),
-            "inferred_vs_true": self.inferred_environments(),
+            "inferred_vs_true": inferred,
             "inference_events": self.record.events,
             "pending_batches": self.record.pending,
             "final_masks": self.learner.masks.masks[: max(1, self.learner.inference.n_envs)].int().tolist(),
             "heldout_reconstruction_matrix": self.record.recon_matrix,
-            "latent_use": self.latent_use(),
+            "latent_use": self.latent_use([row["inferred_env"] for row in inferred]),
             "disentanglement": self.record.disentanglement,
         }
         if self.probes:
