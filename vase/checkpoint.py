@@ -30,7 +30,8 @@ import torch
 from vase.config import CONFIG_VERSION
 from vase.errors import CheckpointError
 
-CHECKPOINT_FORMAT = 1
+# 2: the inference state's `last_allocation` became `settling_since` (a mask change re-settles).
+CHECKPOINT_FORMAT = 2
 CHECKPOINT_DIR = "checkpoints"
 # Where a verified pair may sit after a save that was killed part-way; also the order of preference
 # between pairs of the same step.
