@@ -111,6 +111,11 @@ class InferenceConfig:
     error_ema: float = 0.95  # running reconstruction error L_s [ours]
     # A latent counts as "used" by an environment when its KL exceeds this many nats [ours].
     used_kl: float = 0.1
+    # Re-identifying a PAST environment s also needs the batch's latent usage to agree with s's
+    # [ours]: a latent s does not use, that another environment relies on (usage above
+    # relied_kl nats), must not carry more than foreign_use times that usage on this batch.
+    relied_kl: float = 1.0
+    foreign_use: float = 0.5
     classifier_lr: float = 1e-3
     # Steps after an allocation during which no further allocation happens [ours].
     cooldown: int = 200
@@ -244,6 +249,8 @@ class Config:
             errs.append("mask.ema and inference.error_ema must be in [0, 1)")
         if self.inference.kappa <= 0 or self.inference.error_margin < 0:
             errs.append("inference.kappa must be > 0 and inference.error_margin >= 0")
+        if self.inference.relied_kl <= 0 or self.inference.foreign_use <= 0:
+            errs.append("inference.relied_kl and inference.foreign_use must be > 0")
         if self.inference.patience < 1:
             errs.append("inference.patience must be at least 1")
         if self.dream.snapshot_every < 1:

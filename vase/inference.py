@@ -18,7 +18,8 @@ Two [ours] additions make this usable on a real stream, each a named setting:
   statistics settle first. A change of the current environment's own mask re-opens that settling
   period: L_s was measured with the old mask, and the decoder input has just changed.
 - When both the current environment and s_hat fail, the other past environments are tried in the
-  order of q_psi(s|x) before a new one is allocated. This costs extra decodes only on failing
+  order of q_psi(s|x) before a new one is allocated. A past environment must also agree in latent
+  usage (`foreign_latents`). This costs extra decodes only on failing
   batches (a handful at each boundary), and makes re-identification robust to a classifier that
   has drifted towards the newest environment.
 """
@@ -35,6 +36,7 @@ from vase.masking import LatentMasks
 
 RECONSTRUCTION = "reconstruction"
 MASK = "mask"
+USAGE = "usage"
 
 
 @dataclass
@@ -47,6 +49,7 @@ class Decision:
     error: float = float("nan")  # reconstruction error under the first candidate
     threshold: float = float("nan")  # kappa * L for that candidate
     disagreeing: list[int] = field(default_factory=list)  # latents whose mask test failed there
+    tried: list = field(default_factory=list)  # [candidate, its failed tests] for every env tried
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -103,7 +106,32 @@ class EnvironmentInference:
             latents = self.mask_disagreement(env, alpha, kl, masks).nonzero().flatten().tolist()
             if latents:
                 reasons.append(MASK)
+        if env != self.current:
+            foreign = self.foreign_latents(env, kl).nonzero().flatten().tolist()
+            if foreign:
+                reasons.append(USAGE)
+                latents = sorted(set(latents) | set(foreign))
         return reasons, latents
+
+    def foreign_latents(self, env: int, kl: torch.Tensor) -> torch.Tensor:
+        """Latents that make a batch foreign to the past environment `env` [ours]: env does not
+        use them, another environment relies on them, and this batch carries at least
+        `foreign_use` times that environment's usage in them. The batch expresses a factor env
+        never had.
+
+        Eq. 6 compares masks on the latents either environment uses. A latent env never used is
+        unmasked in a^env (spare capacity, alpha ~ 0), so the mask test cannot see it. Two moving
+        datasets that share the position latents then pass each other's tests. For example,
+        moving MNIST costs fewer nats per image than moving Fashion and fits under Fashion's
+        reconstruction threshold. Applied to past environments only: the current one may start
+        using a new latent at any time as C(t) grows.
+        """
+        others = [s for s in range(self.n_envs) if s != env and bool(self.recorded[s])]
+        if not others:
+            return torch.zeros_like(kl, dtype=torch.bool)
+        relied = self.usage[others].max(0).values
+        unused = self.usage[env] <= self.cfg.used_kl
+        return unused & (relied > self.cfg.relied_kl) & (kl > self.cfg.foreign_use * relied)
 
     def mask_disagreement(self, env: int, alpha: torch.Tensor, kl: torch.Tensor, masks: LatentMasks) -> torch.Tensor:
         """Latents on which the batch's own mask a(x) contradicts a^env (the second test of eq. 6).
@@ -147,20 +175,21 @@ class EnvironmentInference:
         # then the rest in the classifier's order [ours].
         ranked = probs[: self.n_envs].argsort(descending=True, stable=True).tolist()
         candidates = [self.current] + [s for s in ranked if s != self.current]
-        first = None
+        first, tried = None, []
         for env in candidates:
             error = error_under(env)
             reasons, latents = self.failures(env, error, alpha, kl, masks)
+            tried.append([env, reasons])
             if first is None:
                 first = (reasons, error, self.threshold(env), latents)
             if not reasons:
                 verdict = "same" if env == self.current else "switch"
                 self.current, self.pending = env, 0
-                return Decision(step, env, predicted, verdict, *first)
+                return Decision(step, env, predicted, verdict, *first, tried)
         reasons, error, threshold, latents = first
         self.pending += 1
         if self.pending < self.cfg.patience:
-            return Decision(step, self.current, predicted, "pending", reasons, error, threshold, latents)
+            return Decision(step, self.current, predicted, "pending", reasons, error, threshold, latents, tried)
         if self.n_envs >= self.k_max:
             if not self.full_warned:
                 warnings.warn(
@@ -170,10 +199,10 @@ class EnvironmentInference:
                 )
                 self.full_warned = True
             self.pending = 0
-            return Decision(step, self.current, predicted, "full", reasons, error, threshold, latents)
+            return Decision(step, self.current, predicted, "full", reasons, error, threshold, latents, tried)
         decision = self._allocate(step, self.n_envs, "new", reasons)
         decision.predicted, decision.error, decision.threshold = predicted, error, threshold
-        decision.disagreeing = latents
+        decision.disagreeing, decision.tried = latents, tried
         return decision
 
     def _allocate(self, step: int, env: int, verdict: str, reasons: list[str]) -> Decision:

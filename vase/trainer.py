@@ -209,7 +209,8 @@ class Trainer:
                     "inference/events",
                     f"step {d.step}: {d.verdict} -> environment {d.env} (predicted {d.predicted}; "
                     f"failed on: {', '.join(d.reasons) or '-'}; error {d.error:.1f} vs threshold {d.threshold:.1f}; "
-                    f"mask disagreed on latents {d.disagreeing or '-'})",
+                    f"mask or usage disagreed on latents {d.disagreeing or '-'}; "
+                    f"tried: {'; '.join(f'{env}: ' + (', '.join(r) or 'passed') for env, r in d.tried) or '-'})",
                     d.step + 1,
                 )
 
