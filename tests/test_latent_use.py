@@ -1,5 +1,6 @@
 """The end-of-run latent-use table (Fig. 3's reading): KL per latent on each environment's held-out
 images, that environment's mask, and the active latents, checked on an analytic posterior."""
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -28,6 +29,7 @@ def test_latent_use_reports_kl_mask_and_active_latents():
     learner = Learner(cfg)
     learner.model.encoder = FixedEncoder(cfg.model.latents, cfg.model.hidden)
     learner.masks.masks[0, 2] = 0.0  # slot 0 masks latent 2
+    learner.inference.usage[0] = torch.tensor([1.5] + [0.0] * (cfg.model.latents - 2) + [0.05])  # used while training: latent 0
     fake = SimpleNamespace(
         cfg=cfg, learner=learner, envs=[SimpleNamespace(name="one")], held_out=[torch.rand(5, 1, 64, 64)],
     )
@@ -37,3 +39,12 @@ def test_latent_use_reports_kl_mask_and_active_latents():
     assert sum(row["kl_per_latent"]) == 2.125
     assert row["masked"] == [2]
     assert row["active"] == [0]  # latent 2 carries KL but is masked; the rest carry none
+    assert row["used_in_training"] == [0]  # the last latent's usage (0.05) is below used_kl
+
+    from vase.report import summary_text
+
+    results = {"ablation": "A", "mode": "disentangled", "preset": "cpu", "steps": 1, "wall_time_s": 1.0,
+               "environments_inferred": 1, "environments_true": 1, "inferred_vs_true": [], "latent_use": [row]}
+    text = summary_text(results, Path("run"))
+    assert f"1/{cfg.model.latents} latents used by some slot while it trained" in text
+    assert "slot 0: used [0], masked [2]; active on its held-out images now: 1/" in text

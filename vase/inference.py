@@ -6,7 +6,7 @@ auxiliary classifier for the most likely past environment s_hat, then accepts s_
   (b) the batch's own mask a(x) agrees with a^s_hat on the latents either of them uses;
 otherwise it allocates a new environment.
 
-Two [ours] additions make this usable on a real stream, each a named setting:
+Our additions [ours] that make this usable on a real stream, each a named setting or a few lines:
 - The current environment is tested first, and s_hat only when it fails. Right after an
   allocation the classifier has not learnt the new slot yet and keeps predicting the old one;
   one batch of the new environment that slips through the old environment's test would then be
@@ -18,10 +18,10 @@ Two [ours] additions make this usable on a real stream, each a named setting:
   statistics settle first. A change of the current environment's own mask re-opens that settling
   period: L_s was measured with the old mask, and the decoder input has just changed.
 - When both the current environment and s_hat fail, the other past environments are tried in the
-  order of q_psi(s|x) before a new one is allocated. A past environment must also agree in latent
-  usage (`foreign_latents`). This costs extra decodes only on failing
+  order of q_psi(s|x) before a new one is allocated. This costs extra decodes only on failing
   batches (a handful at each boundary), and makes re-identification robust to a classifier that
-  has drifted towards the newest environment.
+  has drifted towards the newest environment. A past environment must also agree in latent usage
+  (`foreign_latents`).
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ class Decision:
     reasons: list[str] = field(default_factory=list)  # why the candidates failed
     error: float = float("nan")  # reconstruction error under the first candidate
     threshold: float = float("nan")  # kappa * L for that candidate
-    disagreeing: list[int] = field(default_factory=list)  # latents whose mask test failed there
+    disagreeing: list[int] = field(default_factory=list)  # latents whose mask (or usage) test failed there
     tried: list = field(default_factory=list)  # [candidate, its failed tests] for every env tried
 
     def as_dict(self) -> dict:

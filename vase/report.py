@@ -30,11 +30,17 @@ def summary_text(results: dict, run_dir: Path) -> str:
             lines.append(f"  {name:<18}" + "".join(f"{row[i]:>10.1f}" for row in matrix))
     use = results.get("latent_use") or []
     if use:
-        lines.append("latent use at the end, under the slot each environment was trained in (unmasked latents with KL above inference.used_kl):")
+        n = len(use[0]["kl_per_latent"])
+        if all("used_in_training" in row for row in use):  # results.json of older runs lack it
+            used = sorted({z for row in use for z in row["used_in_training"]})
+            lines.append(f"latent use (KL above inference.used_kl): {len(used)}/{n} latents used by some slot while it trained")
+        else:
+            lines.append("latent use (KL above inference.used_kl):")
         for row in use:
+            trained = f"used {row['used_in_training']}, " if "used_in_training" in row else ""
             lines.append(
-                f"  {row['true_env']:<18} slot {row['slot']}: {len(row['active']):>2}/{len(row['kl_per_latent'])} active "
-                f"{row['active']}, masked {row['masked']}"
+                f"  {row['true_env']:<18} slot {row['slot']}: {trained}masked {row['masked']}; "
+                f"active on its held-out images now: {len(row['active'])}/{n}"
             )
     probes = results.get("probes")
     if probes:

@@ -260,19 +260,23 @@ class Trainer:
 
     @torch.no_grad()
     def latent_use(self, slots: list[int]) -> list[dict]:
-        """Per true environment, at the end: the slot it was trained under (`slots`, the majority of
-        its steps), the mean KL of each latent over its held-out images, that slot's mask, and the
-        latents it actively uses (unmasked with KL > used_kl), as the paper reads Fig. 3's
-        latent-use matrix."""
+        """Per true environment, at the end, as the paper reads Fig. 3's latent-use matrix: the slot
+        it was trained under (`slots`, the majority of its steps), the latents that slot used while
+        it trained (its running usage above used_kl; with S off, slot 0's usage at the end), that
+        slot's mask, and, on the environment's held-out images now, the mean KL of each latent and
+        the unmasked latents above used_kl."""
         rows = []
+        used_kl = self.cfg.inference.used_kl
         for env, x, slot in zip(self.envs, self.held_out, slots):
             post = self.learner.model.encoder(x)
             kl = kl_per_latent(post.mu, post.logvar).mean(0)
             mask = self.learner.masks.mask(slot)
-            active = ((kl > self.cfg.inference.used_kl) & mask.bool()).nonzero().flatten().tolist()
             rows.append({
-                "true_env": env.name, "slot": slot, "kl_per_latent": [round(float(k), 4) for k in kl],
-                "masked": (mask == 0).nonzero().flatten().tolist(), "active": active,
+                "true_env": env.name, "slot": slot,
+                "used_in_training": (self.learner.inference.usage[slot] > used_kl).nonzero().flatten().tolist(),
+                "masked": (mask == 0).nonzero().flatten().tolist(),
+                "kl_per_latent": [round(float(k), 4) for k in kl],
+                "active": ((kl > used_kl) & mask.bool()).nonzero().flatten().tolist(),
             })
         return rows
 
