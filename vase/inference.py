@@ -79,12 +79,17 @@ class EnvironmentInference:
     def past_environments(self) -> list[int]:
         return [s for s in range(self.n_envs) if s != self.current]
 
-    def maskable(self, env: int) -> torch.Tensor:
-        """Latents that environments other than `env` use: the only ones `env` may mask [ours]."""
+    def usage_elsewhere(self, env: int) -> torch.Tensor:
+        """Per latent, the largest running usage among the recorded environments other than `env`
+        (-inf where there is none)."""
         others = [s for s in range(self.n_envs) if s != env and bool(self.recorded[s])]
         if not others:
-            return torch.zeros(self.usage.shape[1], dtype=torch.bool)
-        return (self.usage[others] > self.cfg.used_kl).any(0)
+            return torch.full((self.usage.shape[1],), float("-inf"))
+        return self.usage[others].max(0).values
+
+    def maskable(self, env: int) -> torch.Tensor:
+        """Latents that environments other than `env` use: the only ones `env` may mask [ours]."""
+        return self.usage_elsewhere(env) > self.cfg.used_kl
 
     def predict(self, probs: torch.Tensor) -> int:
         """s_hat = argmax of the batch-averaged q_psi(s|x) over the allocated slots (spec §2)."""
@@ -126,10 +131,7 @@ class EnvironmentInference:
         reconstruction threshold. Applied to past environments only: the current one may start
         using a new latent at any time as C(t) grows.
         """
-        others = [s for s in range(self.n_envs) if s != env and bool(self.recorded[s])]
-        if not others:
-            return torch.zeros_like(kl, dtype=torch.bool)
-        relied = self.usage[others].max(0).values
+        relied = self.usage_elsewhere(env)
         unused = self.usage[env] <= self.cfg.used_kl
         return unused & (relied > self.cfg.relied_kl) & (kl > self.cfg.foreign_use * relied)
 
