@@ -48,3 +48,35 @@ def test_latent_use_reports_kl_mask_and_active_latents():
     text = summary_text(results, Path("run"))
     assert f"1/{cfg.model.latents} latents used by some slot while it trained" in text
     assert "slot 0: used [0], masked [2]; active on its held-out images now: 1/" in text
+
+
+class ShiftedAndInformativeEncoder(torch.nn.Module):
+    """Latent 0: mu = 2 on every image (KL 2 nats, no information). Latent 1: mu = +2 or -2 by image
+    (KL 2 nats; the batch aggregate has mean 0, variance 5, so alpha = (5 - 1 - log 5) / 2)."""
+
+    def __init__(self, latents: int, hidden: int):
+        super().__init__()
+        self.latents, self.hidden = latents, hidden
+
+    def forward(self, x):
+        mu = torch.zeros(x.shape[0], self.latents)
+        mu[:, 0] = 2.0
+        mu[:, 1] = torch.tensor([2.0, -2.0]).repeat(x.shape[0] // 2)
+        return Posterior(mu, torch.zeros_like(mu), torch.zeros(x.shape[0], self.hidden))
+
+
+def test_latent_use_tells_information_from_a_constant_shift():
+    import math
+
+    cfg = build_config("cpu", ["inference.used_kl=0.1"], ablation="A")
+    learner = Learner(cfg)
+    learner.model.encoder = ShiftedAndInformativeEncoder(cfg.model.latents, cfg.model.hidden)
+    fake = SimpleNamespace(
+        cfg=cfg, learner=learner, envs=[SimpleNamespace(name="one")], held_out=[torch.rand(6, 1, 64, 64)],
+    )
+    (row,) = Trainer.latent_use(fake, [0])
+    assert row["kl_per_latent"][:2] == [2.0, 2.0]
+    assert row["active"] == [0, 1]  # both carry KL ...
+    assert row["info_per_latent"][0] == 0.0  # ... but the shifted one tells the decoder nothing
+    assert abs(row["info_per_latent"][1] - (2.0 - 0.5 * (4.0 - math.log(5.0)))) < 1e-3
+    assert row["informative"] == [1]

@@ -36,11 +36,18 @@ def summary_text(results: dict, run_dir: Path) -> str:
             lines.append(f"latent use (KL above inference.used_kl): {len(used)}/{n} latents used by some slot while it trained")
         else:
             lines.append("latent use (KL above inference.used_kl):")
+        if all("informative" in row for row in use):
+            informative = sorted({z for row in use for z in row["informative"]})
+            lines.append(
+                f"  {len(informative)}/{n} latents carry information (KL minus atypicality above used_kl) "
+                "in some environment's slot at the end"
+            )
         for row in use:
             trained = f"used {row['used_in_training']}, " if "used_in_training" in row else ""
+            info = f", informative {row['informative']}" if "informative" in row else ""
             lines.append(
                 f"  {row['true_env']:<18} slot {row['slot']}: {trained}masked {row['masked']}; "
-                f"active on its held-out images now: {len(row['active'])}/{n}"
+                f"active on its held-out images now: {len(row['active'])}/{n}{info}"
             )
     probes = results.get("probes")
     if probes:

@@ -18,6 +18,7 @@ from vase.data.environments import load_sequence
 from vase.errors import CheckpointError, NumericalError, VaseError
 from vase.evaluation import ENCODER_DIR, FrozenEncoder, disentanglement_scores, encoder_path
 from vase.learner import Learner, StepOutput
+from vase.masking import atypicality
 from vase.objective import kl_per_latent, reconstruction_nll
 from vase.probing import ProbeSuite
 from vase.stream import Stream
@@ -264,19 +265,27 @@ class Trainer:
         it was trained under (`slots`, the majority of its steps), the latents that slot used while
         it trained (its running usage above used_kl; with S off, slot 0's usage at the end), that
         slot's mask, and, on the environment's held-out images now, the mean KL of each latent and
-        the unmasked latents above used_kl."""
+        the unmasked latents above used_kl.
+
+        KL alone can be met without information: a latent whose mean is shifted by a constant costs
+        KL but tells the decoder nothing. So each row also has the information of each latent,
+        mean KL minus the atypicality alpha (eq. 4), an estimate of I(x; z_n) (E_x KL(q(z_n|x) || p)
+        = I(x; z_n) + KL(q(z_n) || p)), and the unmasked latents whose information is above used_kl."""
         rows = []
         used_kl = self.cfg.inference.used_kl
         for env, x, slot in zip(self.envs, self.held_out, slots):
             post = self.learner.model.encoder(x)
             kl = kl_per_latent(post.mu, post.logvar).mean(0)
+            info = (kl - atypicality(post.mu, post.logvar)).clamp_min(0)
             mask = self.learner.masks.mask(slot)
             rows.append({
                 "true_env": env.name, "slot": slot,
                 "used_in_training": (self.learner.inference.usage[slot] > used_kl).nonzero().flatten().tolist(),
                 "masked": (mask == 0).nonzero().flatten().tolist(),
                 "kl_per_latent": [round(float(k), 4) for k in kl],
+                "info_per_latent": [round(float(i), 4) for i in info],
                 "active": ((kl > used_kl) & mask.bool()).nonzero().flatten().tolist(),
+                "informative": ((info > used_kl) & mask.bool()).nonzero().flatten().tolist(),
             })
         return rows
 
