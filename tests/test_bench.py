@@ -90,8 +90,10 @@ def test_optimised_networks_match_a_plain_nchw_evaluation(preset):
     loss(post.mu, post.logvar, logits).backward()
     loss(ref_mu, ref_logvar, ref_logits).backward()
     ours = dict(model.named_parameters())
-    for name, src in [("encoder.convs.0", ref.encoder[0]), ("encoder.convs.4", ref.encoder[4]),
-                      ("decoder.deconvs.4", ref.decoder[9]), ("decoder.deconvs.6", ref.decoder[11])]:
+    # Every conv layer: each weight-gradient route (patch matmul, swapped conv, oneDNN) is covered.
+    layers = [(f"encoder.convs.{2 * i}", ref.encoder[2 * i]) for i in range(4)]
+    layers += [(f"decoder.deconvs.{2 * i}", ref.decoder[5 + 2 * i]) for i in range(4)]
+    for name, src in layers:
         g, g_ref = ours[f"{name}.weight"].grad, src.weight.grad
         torch.testing.assert_close(g, g_ref, atol=1e-4 * float(g_ref.abs().max()), rtol=0)
         gb, gb_ref = ours[f"{name}.bias"].grad, src.bias.grad

@@ -44,6 +44,7 @@ from torch.nn import functional as F
 from vase import networks
 from vase.config import Config, ModelConfig, build_config
 from vase.errors import ConfigError
+from vase import learner as learner_module
 from vase.learner import Learner
 from vase.networks import IMAGE_SIZE, Decoder, Encoder, EnvironmentClassifier, he_init, use_implementation
 from vase.objective import kl_per_latent, mdl_loss
@@ -337,6 +338,9 @@ class Spec:
     n_envs: int = 0  # >0: prepare_environments(learner, n_envs)
     process: str = "main"  # "main" (allocator tuned, current code) or "plain" (a fresh default process)
     threads: int = 0  # >0: torch threads while this variant runs (0: the run's setting)
+    # The routes of the current code, or the earlier ones for before/after figures:
+    transposed_weight_grad: str = "swapped"  # networks.TRANSPOSED_WEIGHT_GRAD
+    fused_adam: bool = True  # learner.FUSED_ADAM
 
 
 @contextmanager
@@ -360,8 +364,16 @@ class Variant:
         with self._threads():
             self._build()
 
+    @contextmanager
     def _threads(self):
-        return _num_threads(self.spec.threads)
+        """The variant's thread count and code routes, for its build and each of its runs."""
+        saved = networks.TRANSPOSED_WEIGHT_GRAD, learner_module.FUSED_ADAM
+        networks.TRANSPOSED_WEIGHT_GRAD, learner_module.FUSED_ADAM = self.spec.transposed_weight_grad, self.spec.fused_adam
+        try:
+            with _num_threads(self.spec.threads):
+                yield
+        finally:
+            networks.TRANSPOSED_WEIGHT_GRAD, learner_module.FUSED_ADAM = saved
 
     def _build(self) -> None:
         spec = self.spec
@@ -681,11 +693,14 @@ def default_specs(preset: str) -> list[Spec]:
         Spec(f"{p}/vase_8past", "SDA, 8 past envs (k_max 10)", p, ablation="SDA", overrides=("model.k_max=10",), n_envs=9),
         Spec(f"{p}/loop", "trainer-like loop, SDA 2 past", p, kind="loop", ablation="SDA", n_envs=3),
         Spec(f"{p}/plain_1thread", 'plain step "-", 1 thread', p, threads=1),
-        Spec(f"{p}/plain_cl", 'plain "-", old layers + kept memory', p, implementation="channels_last"),
+        Spec(f"{p}/plain_nchw_wgrad", 'plain "-", NCHW deconv wgrad + multi-tensor Adam', p,
+             transposed_weight_grad="nchw", fused_adam=False),
+        Spec(f"{p}/plain_cl", 'plain "-", old layers + kept memory', p, implementation="channels_last",
+             fused_adam=False),
         Spec(f"{p}/before_plain", 'plain "-", before (old code, plain process)', p, implementation="channels_last",
-             process="plain"),
+             process="plain", fused_adam=False),
         Spec(f"{p}/before_vase", "SDA 2 past, before (old code, plain process)", p, ablation="SDA",
-             implementation="channels_last", n_envs=3, process="plain"),
+             implementation="channels_last", n_envs=3, process="plain", fused_adam=False),
         Spec(f"{p}/reference", "reference NCHW (plain process)", p, kind="reference", process="plain"),
         Spec(f"{p}/reference_kept", "reference NCHW + kept memory (this process)", p, kind="reference"),
     ]
@@ -795,6 +810,8 @@ def summarise_preset(preset: str, measured: dict[str, dict], peaks: Peaks) -> di
         r["speedup_from_kept_memory"] = ratio("before_plain", "plain_cl")
     if "plain_cl" in V and "plain" in V:
         r["speedup_from_layers"] = ratio("plain_cl", "plain")
+    if "plain_nchw_wgrad" in V and "plain" in V:
+        r["speedup_from_swapped_wgrad_and_fused_adam"] = ratio("plain_nchw_wgrad", "plain")
     if "loop" in V:
         r["outside_model_fraction"] = V["loop"]["outside_model_fraction"]
     out["ratios"] = r
@@ -885,7 +902,9 @@ def format_report(results: dict) -> str:
                           ("speedup_plain_vs_before", "plain step speed-up vs before"),
                           ("speedup_vase_vs_before", "VASE step speed-up vs before"),
                           ("speedup_from_kept_memory", "  of which kept freed memory (old layers)"),
-                          ("speedup_from_layers", "  of which the layer implementation")):
+                          ("speedup_from_layers", "  of which the layer implementation"),
+                          ("speedup_from_swapped_wgrad_and_fused_adam",
+                           "  of which swapped-conv deconv weight gradients and fused Adam")):
             if key in r:
                 lines.append(f"  {text}: x{r[key]:.2f}")
         odd = {n: v["verdicts"] for n, v in res["variants"].items()

@@ -34,8 +34,11 @@ _CL = torch.channels_last
 _aten = torch.ops.aten
 # Every conv of the model: kernel 4, stride 2, padding 1.
 _STRIDE, _PADDING, _DILATION = [2, 2], [1, 1], [1, 1]
-# Transposed convs with at least this many output channels compute their weight gradient in NCHW.
-NCHW_WEIGHT_GRAD_MIN_CHANNELS = 2
+# How transposed convs (with more than one output channel) compute their weight gradient:
+# "swapped": as the weight gradient of the regular conv that maps the output gradient back to the
+# input, in channels_last, with no layout copies; "nchw": oneDNN's transposed primitive on NCHW
+# copies (channels_last is up to 2x slower there). `vase bench` times both.
+TRANSPOSED_WEIGHT_GRAD = "swapped"
 
 
 class Posterior(NamedTuple):
@@ -77,6 +80,15 @@ def _deconv_one_channel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return out.contiguous()
 
 
+def _image_patches(x: torch.Tensor) -> torch.Tensor:
+    """The 4x4 patch of a ONE-channel image under every output pixel of a stride-2, padding-1 conv,
+    as rows (B * H/2 * W/2, 16): patch (ky, kx) of output (oy, ox) is padded pixel (2*oy + ky, 2*ox + kx)."""
+    B, _, H, W = x.shape
+    padded = F.pad(x.reshape(B, H, W), (1, 1, 1, 1))
+    Hp, Wp = H + 2, W + 2
+    return padded.as_strided((B, H // 2, W // 2, 4, 4), (Hp * Wp, 2 * Wp, 2, Wp, 1)).reshape(-1, 16)
+
+
 def _conv_one_channel_weight_grad(grad: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Weight and bias gradients of conv2d(x, w, stride 2, padding 1) for a 4x4 kernel and ONE input
     channel (the encoder's first layer, on the images).
@@ -85,13 +97,9 @@ def _conv_one_channel_weight_grad(grad: torch.Tensor, x: torch.Tensor) -> tuple[
     is a strided view of the padded image (patch (ky, kx) of output (oy, ox) is padded pixel
     (2*oy + ky, 2*ox + kx)), and the gradient is one matmul with the channels_last output gradient.
     """
-    B, _, H, W = x.shape
-    Ho, Wo, C = grad.shape[2], grad.shape[3], grad.shape[1]
-    padded = F.pad(x.reshape(B, H, W), (1, 1, 1, 1))
-    Hp, Wp = H + 2, W + 2
-    patches = padded.as_strided((B, Ho, Wo, 4, 4), (Hp * Wp, 2 * Wp, 2, Wp, 1)).reshape(-1, 16)
+    C = grad.shape[1]
     g = grad.permute(0, 2, 3, 1).reshape(-1, C)  # a view when grad is channels_last
-    return g.t().mm(patches).view(C, 1, 4, 4), g.sum(0)
+    return g.t().mm(_image_patches(x)).view(C, 1, 4, 4), g.sum(0)
 
 
 class _ConvReLU(torch.autograd.Function):
@@ -99,8 +107,9 @@ class _ConvReLU(torch.autograd.Function):
     autograd node, with the memory format chosen per operation (measured by `vase bench`):
 
     - forward and input gradient in channels_last (faster for every layer shape here);
-    - weight gradient of transposed convs in NCHW (oneDNN's channels_last weight gradient is up to 2x
-      slower for them in isolation; a few % of the whole step);
+    - weight gradient of transposed convs as that of the swapped plain conv, in channels_last
+      (`_weight_grad`; oneDNN's transposed primitive is up to 2x slower in channels_last and needs NCHW
+      copies otherwise);
     - weight gradient of the one-input-channel first conv as a matmul over image patches;
     - the ReLU is applied in place and its backward reads the saved output in the same memory format
       as the incoming gradient (a mixed-format threshold_backward is ~10x slower).
@@ -137,14 +146,33 @@ class _ConvReLU(torch.autograd.Function):
             grad_w = grad_w.contiguous(memory_format=_CL) if weight.is_contiguous(memory_format=_CL) else grad_w
             grad_b = grad_b if ctx.has_bias else None
         elif ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            if transposed and out_channels >= NCHW_WEIGHT_GRAD_MIN_CHANNELS:
-                g, xx, w = grad.contiguous(), x.contiguous(), weight.contiguous()
-            else:
-                g, xx, w = grad, x, weight
-            _, grad_w, grad_b = _aten.convolution_backward(
-                g, xx, w, [out_channels], *args, [False, ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]]
-            )
+            grad_w, grad_b = _weight_grad(grad, x, weight, transposed, ctx.needs_input_grad[1],
+                                          ctx.has_bias and ctx.needs_input_grad[2])
         return grad_x, grad_w, grad_b, None, None
+
+
+def _weight_grad(grad, x, weight, transposed: bool, want_w: bool, want_b: bool):
+    """Weight and bias gradients of a 4x4 stride-2 conv layer, plain or transposed (all but the
+    one-input-channel first conv, which `_ConvReLU` handles itself).
+
+    A transposed conv y = convT(x, W) has, for every W, the same weight gradient as the plain conv
+    that maps y's space back to x's with the same W (input = grad of y, output grad = x):
+    dW[i, o, ky, kx] = sum x[b, i, v, u] * grad[b, o, 2v + ky - 1, 2u + kx - 1] in both readings. The
+    plain form runs in channels_last without copying either tensor to NCHW (TRANSPOSED_WEIGHT_GRAD).
+    """
+    args = (_STRIDE, _PADDING, _DILATION)
+    if transposed and TRANSPOSED_WEIGHT_GRAD == "swapped" and weight.shape[1] == 1:
+        # The swapped conv has one input channel: the patch matmul of the first encoder layer.
+        return _conv_one_channel_weight_grad(x, grad)[0], grad.sum((0, 2, 3)) if want_b else None
+    if transposed and TRANSPOSED_WEIGHT_GRAD == "swapped":
+        grad_w = _aten.convolution_backward(x, grad, weight, None, *args, False, [0, 0], 1, [False, want_w, False])[1]
+        return grad_w, grad.sum((0, 2, 3)) if want_b else None
+    if transposed:
+        grad, x, weight = grad.contiguous(), x.contiguous(), weight.contiguous()
+    out_channels = weight.shape[1] if transposed else weight.shape[0]
+    _, grad_w, grad_b = _aten.convolution_backward(grad, x, weight, [out_channels], *args, transposed, [0, 0], 1,
+                                                   [False, want_w, want_b])
+    return grad_w, grad_b
 
 
 def _layers(stack: nn.Sequential) -> list[tuple[nn.Module, bool]]:
