@@ -64,8 +64,10 @@ def test_recorded_passes_of_a_vase_step():
 
 
 # -- the layer implementations compute the same function -----------------------------------------------
+@pytest.mark.parametrize("route", ["swapped", "nchw"])
 @pytest.mark.parametrize("preset", ["cpu", "paper"])
-def test_optimised_networks_match_a_plain_nchw_evaluation(preset):
+def test_optimised_networks_match_a_plain_nchw_evaluation(preset, route, monkeypatch):
+    monkeypatch.setattr(networks, "TRANSPOSED_WEIGHT_GRAD", route)  # both weight-gradient routes of the deconvs
     cfg = build_config(preset)
     torch.manual_seed(0)
     model = VAE(cfg.model)  # "fast" layers, channels_last parameters
