@@ -1,4 +1,4 @@
-"""The `vase` command line: train, evaluate, benchmark, and manage data."""
+"""The `vase` command line: train, evaluate, tabulate, benchmark, and manage data."""
 from __future__ import annotations
 
 import json
@@ -47,7 +47,8 @@ def _check_sequence(ctx, param, value):
 def main(ctx):
     """VASE: life-long disentangled representation learning (Achille et al., NeurIPS 2018).
 
-    Train over a sequence of environments, evaluate probes, benchmark the step, manage data.
+    Train over a sequence of environments, evaluate probes, gather runs into Table 1,
+    benchmark the step, manage data.
     Run `vase COMMAND --help` for each command's options.
     """
     _show_warnings(ctx)
@@ -153,6 +154,24 @@ def evaluate(run_dir, as_json):
     except VaseError as e:
         _fail(e)
     click.echo(json.dumps(results, indent=2) if as_json else summary_text(results, Path(run_dir)))
+
+
+@main.command(name="table")
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON instead of a table.")
+def table(run_dirs, as_json):
+    """Table 1 from finished runs: one row per ablation and mode, mean (±std) over their seeds.
+
+    Give the run directories of a grid, e.g. `vase table runs/*`. Runs of different sequences
+    form separate rows.
+    """
+    from vase.report import load_results, table1_rows, table1_text
+
+    try:
+        rows = table1_rows(load_results([Path(d) for d in run_dirs]))
+    except VaseError as e:
+        _fail(e)
+    click.echo(json.dumps(rows, indent=2) if as_json else table1_text(rows))
 
 
 @main.group()

@@ -181,7 +181,7 @@ def test_train_on_the_digit_sequence(digit_root, tmp_path):
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
-@pytest.mark.parametrize("command", [[], ["train"], ["eval"], ["data"], ["bench"]])
+@pytest.mark.parametrize("command", [[], ["train"], ["eval"], ["table"], ["data"], ["bench"]])
 def test_readme_shows_the_current_help(command):
     """The README's `vase ... --help` blocks are the CLI's own output (80 columns), kept true to the code."""
     shown = CliRunner().invoke(main, command + ["--help"], prog_name="vase", terminal_width=80).output
@@ -190,3 +190,37 @@ def test_readme_shows_the_current_help(command):
     assert header in text, f"README has no block for `vase {' '.join(command)} --help`"
     block = text.split(header, 1)[1].split("```", 1)[0]
     assert block == shown
+
+
+def _fake_run(folder: Path, seed: int, ablation: str, table1: dict, used: list[list[int]]) -> Path:
+    folder.mkdir()
+    results = {"mode": "disentangled", "ablation": ablation, "sequence": ["moving_fashion", "mnist"], "seed": seed,
+               "environments_inferred": 2, "probes": {"table1": table1},
+               "latent_use": [{"used_in_training": u, "informative": u[:1]} for u in used]}
+    (folder / "results.json").write_text(json.dumps(results))
+    return folder
+
+
+def test_table_averages_table1_over_seeds(tmp_path):
+    """Two seeds of SDA: mean and population std in the paper's units; a NaN change is skipped."""
+    a = _fake_run(tmp_path / "a", 0, "SDA", {"object_id_max": 0.40, "object_id_change": 0.01,
+                                             "position_min": 0.004, "position_change": None}, [[0, 1], [1, 2]])
+    b = _fake_run(tmp_path / "b", 1, "SDA", {"object_id_max": 0.50, "object_id_change": -0.03,
+                                             "position_min": 0.006, "position_change": 0.001}, [[0], [5]])
+    c = _fake_run(tmp_path / "c", 0, "-", {"object_id_max": 0.60, "object_id_change": -0.10,
+                                           "position_min": 0.002, "position_change": 0.002}, [[0, 1, 2]])
+    result = CliRunner().invoke(main, ["table", str(a), str(b), str(c)])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    sda = next(line for line in lines if line.strip().startswith("SDA"))
+    assert "45.0 (±5.0) | -1.0 (±2.0) | 50.0 (±10.0) | +10.0 (±0.0) | 0,1 | 2/2 | 3/2 / 2/2" in sda
+    plain = next(line for line in lines if line.strip().startswith("-"))
+    assert "60.0 | -10.0 | 20.0 | +20.0 | 0 | 2 | 3 / 1" in plain
+    rows = json.loads(CliRunner().invoke(main, ["table", "--json", str(a), str(b)]).output)
+    assert rows[0]["seeds"] == [0, 1] and abs(rows[0]["mean"]["object_id_max"] - 0.45) < 1e-12
+
+
+def test_table_refuses_a_folder_that_is_not_a_run(tmp_path):
+    result = CliRunner().invoke(main, ["table", str(tmp_path)])
+    assert result.exit_code != 0
+    assert "results.json not found" in result.output

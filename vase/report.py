@@ -1,6 +1,7 @@
 """Human-readable summaries of a run's results (what `vase train` and `vase eval` print)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 
@@ -67,4 +68,69 @@ def summary_text(results: dict, run_dir: Path) -> str:
             )
     lines.append(f"results: {run_dir / 'results.json'}")
     lines.append(f"TensorBoard: tensorboard --logdir {run_dir / 'tb'}")
+    return "\n".join(lines)
+
+
+def load_results(run_dirs: list[Path]) -> list[dict]:
+    """The results.json of each finished run, with a clear error for a folder that is not one."""
+    from vase.errors import VaseError
+
+    out = []
+    for run_dir in run_dirs:
+        path = Path(run_dir) / "results.json"
+        try:
+            out.append(json.loads(path.read_text()))
+        except FileNotFoundError as e:
+            raise VaseError(f"{path} not found: is {run_dir} a finished vase run?") from e
+        except ValueError as e:
+            raise VaseError(f"{path} is not valid JSON ({e})") from e
+    return out
+
+
+def table1_rows(results: list[dict]) -> list[dict]:
+    """Table 1 from several runs: one row per (mode, ablation, sequence), the four numbers as mean
+    and std over that group's seeds (spec §8), and the latent-use counts per seed."""
+    from vase.metrics.continual import mean_std_over_seeds
+
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        key = (r["mode"], r["ablation"], ",".join(r["sequence"]))
+        groups.setdefault(key, []).append(r)
+    rows = []
+    for (mode, ablation, sequence), runs in groups.items():
+        mean, std = mean_std_over_seeds([r["probes"]["table1"] for r in runs])
+        rows.append({
+            "mode": mode, "ablation": ablation, "sequence": sequence,
+            "seeds": [r["seed"] for r in runs], "mean": mean, "std": std,
+            "environments_inferred": [r["environments_inferred"] for r in runs],
+            "latents_used": [_latents_used(r, "used_in_training") for r in runs],
+            "latents_informative": [_latents_used(r, "informative") for r in runs],
+        })
+    return rows
+
+
+def _latents_used(results: dict, field: str) -> int | None:
+    use = results.get("latent_use") or []
+    if not use or not all(field in row for row in use):
+        return None
+    return len({z for row in use for z in row[field]})
+
+
+def table1_text(rows: list[dict]) -> str:
+    from vase.metrics.continual import format_table1_row, table1_header
+
+    lines = []
+    for mode, sequence in sorted({(row["mode"], row["sequence"]) for row in rows}):
+        lines.append(f"{mode}, {sequence}:")
+        lines.append("  " + table1_header() + " | seeds | envs inferred | latents used / informative")
+        for row in (r for r in rows if (r["mode"], r["sequence"]) == (mode, sequence)):
+            single = len(row["seeds"]) == 1
+            cells = format_table1_row(row["mean"], row["ablation"], None if single else row["std"])
+            used = "/".join("?" if n is None else str(n) for n in row["latents_used"])
+            info = "/".join("?" if n is None else str(n) for n in row["latents_informative"])
+            envs = "/".join(str(n) for n in row["environments_inferred"])
+            lines.append(f"  {cells} | {','.join(map(str, row['seeds']))} | {envs} | {used} / {info}")
+            if len(set(row["seeds"])) < len(row["seeds"]):
+                lines.append(f"  note: {row['ablation']} has repeated seeds; are two runs the same experiment?")
+    lines.append("mean (±std) over seeds; per-seed values are separated by '/'")
     return "\n".join(lines)
