@@ -361,11 +361,11 @@ class Variant:
 
     def __init__(self, spec: Spec):
         self.spec = spec
-        with self._threads():
+        with self._settings():
             self._build()
 
     @contextmanager
-    def _threads(self):
+    def _settings(self):
         """The variant's thread count and code routes, for its build and each of its runs."""
         saved = networks.TRANSPOSED_WEIGHT_GRAD, learner_module.FUSED_ADAM
         networks.TRANSPOSED_WEIGHT_GRAD, learner_module.FUSED_ADAM = self.spec.transposed_weight_grad, self.spec.fused_adam
@@ -417,7 +417,7 @@ class Variant:
         return {"step": dt, "cpu": dc}
 
     def run(self, n: int) -> list[dict]:
-        with self._threads():
+        with self._settings():
             if self.spec.kind == "loop":
                 return LoopTimer(self).run(n)
             return [self._one() for _ in range(n)]

@@ -89,9 +89,9 @@ def _image_patches(x: torch.Tensor) -> torch.Tensor:
     return padded.as_strided((B, H // 2, W // 2, 4, 4), (Hp * Wp, 2 * Wp, 2, Wp, 1)).reshape(-1, 16)
 
 
-def _conv_one_channel_weight_grad(grad: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weight and bias gradients of conv2d(x, w, stride 2, padding 1) for a 4x4 kernel and ONE input
-    channel (the encoder's first layer, on the images).
+def _conv_one_channel_weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Weight gradient of conv2d(x, w, stride 2, padding 1) for a 4x4 kernel and ONE input channel
+    (the encoder's first layer, on the images; also the swapped form of the decoder's last layer).
 
     oneDNN computes this at ~6 % of the matmul peak; here the 4x4 input patch of every output pixel
     is a strided view of the padded image (patch (ky, kx) of output (oy, ox) is padded pixel
@@ -99,7 +99,7 @@ def _conv_one_channel_weight_grad(grad: torch.Tensor, x: torch.Tensor) -> tuple[
     """
     C = grad.shape[1]
     g = grad.permute(0, 2, 3, 1).reshape(-1, C)  # a view when grad is channels_last
-    return g.t().mm(_image_patches(x)).view(C, 1, 4, 4), g.sum(0)
+    return g.t().mm(_image_patches(x)).view(C, 1, 4, 4)
 
 
 class _ConvReLU(torch.autograd.Function):
@@ -141,32 +141,34 @@ class _ConvReLU(torch.autograd.Function):
         args = (_STRIDE, _PADDING, _DILATION, transposed, [0, 0], 1)
         if ctx.needs_input_grad[0]:
             grad_x = _aten.convolution_backward(grad, x, weight, [out_channels], *args, [True, False, False])[0]
-        if (ctx.needs_input_grad[1] or ctx.needs_input_grad[2]) and not transposed and weight.shape[1] == 1:
-            grad_w, grad_b = _conv_one_channel_weight_grad(grad, x)
-            grad_w = grad_w.contiguous(memory_format=_CL) if weight.is_contiguous(memory_format=_CL) else grad_w
-            grad_b = grad_b if ctx.has_bias else None
-        elif ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             grad_w, grad_b = _weight_grad(grad, x, weight, transposed, ctx.needs_input_grad[1],
                                           ctx.has_bias and ctx.needs_input_grad[2])
         return grad_x, grad_w, grad_b, None, None
 
 
 def _weight_grad(grad, x, weight, transposed: bool, want_w: bool, want_b: bool):
-    """Weight and bias gradients of a 4x4 stride-2 conv layer, plain or transposed (all but the
-    one-input-channel first conv, which `_ConvReLU` handles itself).
+    """Weight and bias gradients of a 4x4 stride-2 conv layer, plain or transposed.
 
-    A transposed conv y = convT(x, W) has, for every W, the same weight gradient as the plain conv
-    that maps y's space back to x's with the same W (input = grad of y, output grad = x):
-    dW[i, o, ky, kx] = sum x[b, i, v, u] * grad[b, o, 2v + ky - 1, 2u + kx - 1] in both readings. The
-    plain form runs in channels_last without copying either tensor to NCHW (TRANSPOSED_WEIGHT_GRAD).
+    - One input channel (the first encoder conv): a patch matmul (`_conv_one_channel_weight_grad`).
+    - Transposed, TRANSPOSED_WEIGHT_GRAD = "swapped": a transposed conv y = convT(x, W) has, for
+      every W, the same weight gradient as the plain conv that maps y's space back to x's with the
+      same W (input = grad of y, output grad = x): dW[i, o, ky, kx] = sum x[b, i, v, u] *
+      grad[b, o, 2v + ky - 1, 2u + kx - 1] in both readings. The plain form runs in channels_last
+      without copying either tensor to NCHW; with one output channel (the last decoder layer) the
+      swapped conv has one input channel, so it is the patch matmul again.
+    - Otherwise oneDNN's own weight gradient (on NCHW copies for transposed convs, "nchw" route).
     """
     args = (_STRIDE, _PADDING, _DILATION)
-    if transposed and TRANSPOSED_WEIGHT_GRAD == "swapped" and weight.shape[1] == 1:
-        # The swapped conv has one input channel: the patch matmul of the first encoder layer.
-        return _conv_one_channel_weight_grad(x, grad)[0], grad.sum((0, 2, 3)) if want_b else None
-    if transposed and TRANSPOSED_WEIGHT_GRAD == "swapped":
-        grad_w = _aten.convolution_backward(x, grad, weight, None, *args, False, [0, 0], 1, [False, want_w, False])[1]
-        return grad_w, grad.sum((0, 2, 3)) if want_b else None
+    swapped = transposed and TRANSPOSED_WEIGHT_GRAD == "swapped"
+    if (not transposed and weight.shape[1] == 1) or swapped:
+        grad_b = grad.sum((0, 2, 3)) if want_b else None
+        if swapped and weight.shape[1] > 1:
+            grad_w = _aten.convolution_backward(x, grad, weight, None, *args, False, [0, 0], 1, [False, want_w, False])[1]
+        else:
+            grad_w = _conv_one_channel_weight_grad(x, grad) if swapped else _conv_one_channel_weight_grad(grad, x)
+            grad_w = grad_w.contiguous(memory_format=_CL) if weight.is_contiguous(memory_format=_CL) else grad_w
+        return grad_w, grad_b
     if transposed:
         grad, x, weight = grad.contiguous(), x.contiguous(), weight.contiguous()
     out_channels = weight.shape[1] if transposed else weight.shape[0]

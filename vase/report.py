@@ -32,13 +32,13 @@ def summary_text(results: dict, run_dir: Path) -> str:
     use = results.get("latent_use") or []
     if use:
         n = len(use[0]["kl_per_latent"])
-        if all("used_in_training" in row for row in use):  # results.json of older runs lack it
-            used = sorted({z for row in use for z in row["used_in_training"]})
+        used = _latent_union(use, "used_in_training")
+        if used is not None:
             lines.append(f"latent use (KL above inference.used_kl): {len(used)}/{n} latents used by some slot while it trained")
         else:
             lines.append("latent use (KL above inference.used_kl):")
-        if all("informative" in row for row in use):
-            informative = sorted({z for row in use for z in row["informative"]})
+        informative = _latent_union(use, "informative")
+        if informative is not None:
             lines.append(
                 f"  {len(informative)}/{n} latents carry information (KL minus atypicality above used_kl) "
                 "in some environment's slot at the end"
@@ -103,17 +103,22 @@ def table1_rows(results: list[dict]) -> list[dict]:
             "mode": mode, "ablation": ablation, "sequence": sequence,
             "seeds": [r["seed"] for r in runs], "mean": mean, "std": std,
             "environments_inferred": [r["environments_inferred"] for r in runs],
-            "latents_used": [_latents_used(r, "used_in_training") for r in runs],
-            "latents_informative": [_latents_used(r, "informative") for r in runs],
+            "latents_used": [_count(_latent_union(r.get("latent_use") or [], "used_in_training")) for r in runs],
+            "latents_informative": [_count(_latent_union(r.get("latent_use") or [], "informative")) for r in runs],
         })
     return rows
 
 
-def _latents_used(results: dict, field: str) -> int | None:
-    use = results.get("latent_use") or []
+def _latent_union(use: list[dict], field: str) -> list[int] | None:
+    """The latents listed under `field` in any slot's latent-use row; None when some row lacks the
+    field (results.json of runs from older versions) or there are no rows."""
     if not use or not all(field in row for row in use):
         return None
-    return len({z for row in use for z in row[field]})
+    return sorted({z for row in use for z in row[field]})
+
+
+def _count(latents: list[int] | None) -> int | None:
+    return None if latents is None else len(latents)
 
 
 def table1_text(rows: list[dict]) -> str:
