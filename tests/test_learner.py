@@ -65,8 +65,9 @@ def test_identical_snapshot_gives_zero_dream_loss_in_the_step():
     assert out.losses["dream_encoder"] > 0.0 and out.losses["dream_decoder"] > 0.0
 
 
-def test_masked_latents_get_no_gradient_in_the_step():
-    lrn = learner("A", ["mask.lambda_low=0.01", "mask.lambda_high=0.02"])
+@pytest.mark.parametrize("aggregate_weight", [0.0, 1.0])
+def test_masked_latents_get_no_gradient_in_the_step(aggregate_weight):
+    lrn = learner("A", ["mask.lambda_low=0.01", "mask.lambda_high=0.02", f"objective.aggregate_weight={aggregate_weight}"])
     x = squares(16, torch.Generator().manual_seed(0), 0)
     lrn.training_step(x)
     mask = lrn.masks.mask(0).clone()

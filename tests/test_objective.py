@@ -48,6 +48,32 @@ def test_mdl_loss_disentangled_and_entangled():
     assert float(mdl_loss(recon, kl, 40, cfg)) == pytest.approx(165.0)
 
 
+def test_aggregate_penalty_is_off_by_default_and_weighted_in_units_of_gamma():
+    recon, kl = torch.tensor([100.0, 200.0]), torch.tensor([10.0, 20.0])
+    cfg = ObjectiveConfig(gamma=2.0, capacity_max=25.0, capacity_ramp_steps=100)
+    atypical = torch.tensor(3.0)
+    assert float(mdl_loss(recon, kl, 40, cfg, atypical)) == pytest.approx(160.0)  # the paper's eq. 3
+    cfg.aggregate_weight = 0.5
+    assert float(mdl_loss(recon, kl, 40, cfg, atypical)) == pytest.approx(160.0 + 2.0 * 0.5 * 3.0)
+    cfg.mode = "entangled"
+    assert float(mdl_loss(recon, kl, 40, cfg, atypical)) == pytest.approx(165.0)
+
+
+def test_aggregate_penalty_pulls_a_shifted_latent_back_and_leaves_an_informative_one_alone():
+    """Latent 0: every image shifted to mean 2 (KL 2 nats, no information). Latent 1: means +-sqrt(0.9)
+    with variance 0.1, so the aggregate is exactly N(0, 1) (KL 0.9 nats, all of it information)."""
+    from vase.masking import atypicality
+
+    mu = torch.tensor([[2.0, 0.9 ** 0.5], [2.0, -(0.9 ** 0.5)]] * 4, requires_grad=True)
+    logvar = torch.tensor([[0.0, math.log(0.1)]] * 8, requires_grad=True)
+    alpha = atypicality(mu, logvar)
+    assert alpha.tolist() == pytest.approx([2.0, 0.0], abs=1e-6)
+    alpha.sum().backward()
+    assert torch.all(mu.grad[:, 0] > 0)  # descending moves every mean of latent 0 towards 0
+    assert torch.allclose(mu.grad[:, 1], torch.zeros(8), atol=1e-6)
+    assert torch.allclose(logvar.grad[:, 1], torch.zeros(8), atol=1e-6)
+
+
 def test_masked_latents_get_prior_noise_no_kl_and_no_gradient():
     mu = torch.randn(8, 4, requires_grad=True)
     logvar = torch.randn(8, 4, requires_grad=True)

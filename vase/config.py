@@ -87,6 +87,11 @@ class ObjectiveConfig:
     capacity_max: float = 25.0  # nats [related]
     # Linear ramp of C(t) over the global step (a pure function of the step) [ours].
     capacity_ramp_steps: int = 3000
+    # [ours, beyond the paper] Weight, in units of gamma, of the current environment's summed
+    # atypicality (eq. 4) over its unmasked latents. Eq. 3 is blind to how KL splits into
+    # information and aggregate-posterior shift (KL = I(x;z) + alpha); the paper assumes
+    # E_x q(z|x) ~ p(z) after training (§3.3). 0 is the paper's eq. 3.
+    aggregate_weight: float = 0.0
 
 
 @dataclass
@@ -241,6 +246,8 @@ class Config:
             errs.append("model.k_max must be at least 1")
         if self.objective.gamma < 0:
             errs.append("objective.gamma must be >= 0")
+        if self.objective.aggregate_weight < 0:
+            errs.append("objective.aggregate_weight must be >= 0")
         if self.objective.mode not in ("disentangled", "entangled"):
             errs.append("objective.mode must be 'disentangled' or 'entangled'")
         if self.objective.capacity_ramp_steps < 0:

@@ -123,7 +123,8 @@ class Learner:
 
         # MDL on current data (eq. 3) with the masked posterior (eq. 2).
         kl = masked_kl(real.mu, real.logvar, mask)
-        loss_mdl = mdl_loss(recon, kl, t, cfg.objective)
+        atypical = (atypicality(real.mu, real.logvar) * mask).sum() if cfg.objective.aggregate_weight else None
+        loss_mdl = mdl_loss(recon, kl, t, cfg.objective, atypical)
         losses = {"reconstruction": recon.mean(), "kl": kl.mean(), "mdl": loss_mdl}
         loss = loss_mdl
         # Dreaming feedback on past data (eq. 7).

@@ -45,12 +45,19 @@ def capacity(step: int, cfg: ObjectiveConfig) -> float:
     return cfg.capacity_max * min(1.0, step / cfg.capacity_ramp_steps)
 
 
-def mdl_loss(recon: torch.Tensor, kl: torch.Tensor, step: int, cfg: ObjectiveConfig) -> torch.Tensor:
+def mdl_loss(recon: torch.Tensor, kl: torch.Tensor, step: int, cfg: ObjectiveConfig,
+             atypical: torch.Tensor | None = None) -> torch.Tensor:
     """Eq. 3: E[-log p(x|z,s)] + gamma |KL - C(t)|, means over the batch.
 
     The paper typesets the capacity term with a square in eq. 8; we follow Burgess et al. and the
     spec (§3) with the absolute value. The entangled baseline is the plain VAE (beta = 1).
+
+    `atypical`: the summed atypicality of the unmasked latents on this batch, penalised with weight
+    gamma * aggregate_weight when that is set ([ours], see ObjectiveConfig).
     """
     if cfg.mode == "entangled":
         return recon.mean() + kl.mean()
-    return recon.mean() + cfg.gamma * (kl.mean() - capacity(step, cfg)).abs()
+    loss = recon.mean() + cfg.gamma * (kl.mean() - capacity(step, cfg)).abs()
+    if cfg.aggregate_weight and atypical is not None:
+        loss = loss + cfg.gamma * cfg.aggregate_weight * atypical
+    return loss
