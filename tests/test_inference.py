@@ -16,16 +16,16 @@ def setup(patience=3, k_max=3, cooldown=0):
     return inf, masks
 
 
-def decide(inf, masks, step, error, alpha=None, kl=None, probs=None):
+def decide(inf, masks, step, error, alpha=None, info=None, probs=None):
     alpha = torch.zeros(N) if alpha is None else alpha
-    kl = torch.tensor([1.0, 1.0, 0.0, 0.0]) if kl is None else kl
+    info = torch.tensor([1.0, 1.0, 0.0, 0.0]) if info is None else info
     probs = torch.tensor([1.0, 0.0, 0.0]) if probs is None else probs
-    d = inf.infer(step, probs, alpha, kl, masks, lambda env: error[env] if isinstance(error, dict) else error)
+    d = inf.infer(step, probs, alpha, info, masks, lambda env: error[env] if isinstance(error, dict) else error)
     if d.allocated:
         masks.start(d.env, alpha, inf.maskable(d.env))
     if d.verdict != "pending":
         masks.update(d.env, alpha, inf.maskable(d.env))
-        inf.record(d.env, error[d.env] if isinstance(error, dict) else error, kl)
+        inf.record(d.env, error[d.env] if isinstance(error, dict) else error, info)
     return d
 
 
@@ -51,7 +51,7 @@ def test_mask_disagreement_alone_allocates():
     decide(inf, masks, 0, 100.0)  # env 0 uses latents 0 and 1
     decide(inf, masks, 1, 100.0, alpha=torch.zeros(N))
     # A second environment that uses latent 2 only, so latent 2 is "owned" by env 1.
-    d = decide(inf, masks, 2, 400.0, kl=torch.tensor([0.0, 0.0, 1.0, 0.0]))
+    d = decide(inf, masks, 2, 400.0, info=torch.tensor([0.0, 0.0, 1.0, 0.0]))
     assert d.verdict == "new" and d.env == 1
     # Back to env-0-like data whose reconstruction is fine under env 0, but latent 2 (env 1's)
     # does not matter; latent 0 (env 0 uses it) is now atypical: a mask disagreement.
@@ -61,6 +61,20 @@ def test_mask_disagreement_alone_allocates():
     inf.usage[1] = torch.tensor([1.0, 0.0, 1.0, 0.0])  # env 1 also used latent 0, so it is maskable for env 0
     d = decide(inf, masks, 3, {0: 100.0, 1: 400.0, 2: 400.0}, alpha=torch.tensor([3.0, 0.0, 0.0, 0.0]))
     assert MASK in d.reasons and d.verdict == "new"
+
+
+def test_a_masked_latent_counts_against_its_environment_only_when_its_masking_is_settled():
+    """Rule 3, the 'gained' side: a latent env masks, typical and informative on the batch, is
+    evidence only if env's smoothed alpha is clearly atypical (above lambda_high). Inside the
+    hysteresis band the latent is in transition within env, and the batch is no evidence."""
+    inf, masks = setup(patience=1)
+    decide(inf, masks, 0, 100.0)
+    informative = torch.tensor([1.0, 1.0, 0.0, 1.0])
+    for smoothed, fails in [(0.7, False), (2.0, True)]:  # lambda band is (0.5, 1.0)
+        masks.masks[0, 3], masks.alpha[0, 3] = 0.0, smoothed
+        d = decide(inf, masks, 1, 100.0, alpha=torch.zeros(N), info=informative)
+        assert (MASK in d.reasons) == fails
+        assert (3 in d.disagreeing) == fails
 
 
 def test_returning_environment_is_reidentified_by_the_classifier():
@@ -137,30 +151,30 @@ def test_a_past_environment_is_refused_when_the_batch_uses_a_latent_only_another
     inf, masks = setup(patience=1, k_max=5)
     uses_01 = torch.tensor([1.5, 1.5, 0.0, 0.0])  # env 0: latents 0 and 1 (say, position)
     uses_013 = torch.tensor([1.5, 1.5, 0.0, 2.0])  # env 1 adds latent 3 (say, digit identity)
-    decide(inf, masks, 0, 100.0, kl=uses_01)
-    decide(inf, masks, 1, {0: 400.0, 1: 100.0}, kl=uses_013)  # new env 1
-    decide(inf, masks, 2, {0: 400.0, 1: 400.0, 2: 100.0}, kl=uses_01)  # new env 2 is current
+    decide(inf, masks, 0, 100.0, info=uses_01)
+    decide(inf, masks, 1, {0: 400.0, 1: 100.0}, info=uses_013)  # new env 1
+    decide(inf, masks, 2, {0: 400.0, 1: 400.0, 2: 100.0}, info=uses_01)  # new env 2 is current
     # A batch like env 1's, which also fits env 0's reconstruction threshold and masks: env 0
     # never used latent 3, env 1 relies on it (2 nats) and the batch carries 1.8 of it.
-    d = decide(inf, masks, 3, {0: 110.0, 1: 400.0, 2: 400.0, 3: 100.0}, kl=torch.tensor([1.5, 1.5, 0.0, 1.8]),
+    d = decide(inf, masks, 3, {0: 110.0, 1: 400.0, 2: 400.0, 3: 100.0}, info=torch.tensor([1.5, 1.5, 0.0, 1.8]),
                probs=torch.tensor([0.9, 0.05, 0.05, 0.0, 0.0]))
     assert d.verdict == "new" and d.env == 3
     assert d.tried == [[2, ["reconstruction"]], [0, ["usage"]], [1, ["reconstruction"]]]
     # A batch of env 0 that carries a little of latent 3 (0.4 < 0.5 * 2.0) is re-identified.
     inf.current = 2
-    d = decide(inf, masks, 4, {0: 110.0, 1: 400.0, 2: 400.0, 3: 400.0}, kl=torch.tensor([1.5, 1.5, 0.0, 0.4]),
+    d = decide(inf, masks, 4, {0: 110.0, 1: 400.0, 2: 400.0, 3: 400.0}, info=torch.tensor([1.5, 1.5, 0.0, 0.4]),
                probs=torch.tensor([0.9, 0.05, 0.05, 0.0, 0.0]))
     assert (d.verdict, d.env) == ("switch", 0)
 
 
 def test_the_current_environment_is_never_refused_for_usage():
     inf, masks = setup(patience=1)
-    decide(inf, masks, 0, 100.0, kl=torch.tensor([1.5, 0.0, 0.0, 0.0]))
-    decide(inf, masks, 1, {0: 400.0, 1: 100.0}, kl=torch.tensor([0.0, 0.0, 0.0, 2.0]))  # env 1 uses latent 3
+    decide(inf, masks, 0, 100.0, info=torch.tensor([1.5, 0.0, 0.0, 0.0]))
+    decide(inf, masks, 1, {0: 400.0, 1: 100.0}, info=torch.tensor([0.0, 0.0, 0.0, 2.0]))  # env 1 uses latent 3
     decide(inf, masks, 2, {0: 100.0, 1: 400.0}, probs=torch.tensor([1.0, 0.0, 0.0]),
-           kl=torch.tensor([1.5, 0.0, 0.0, 0.0]))  # back to env 0, now current
+           info=torch.tensor([1.5, 0.0, 0.0, 0.0]))  # back to env 0, now current
     assert inf.current == 0
     # Env 0 starts to use latent 3 as well (C(t) grows): no verdict against the current env.
     assert inf.foreign_latents(0, torch.tensor([1.5, 0.0, 0.0, 1.8])).any()
-    d = decide(inf, masks, 3, {0: 100.0, 1: 400.0}, kl=torch.tensor([1.5, 0.0, 0.0, 1.8]))
+    d = decide(inf, masks, 3, {0: 100.0, 1: 400.0}, info=torch.tensor([1.5, 0.0, 0.0, 1.8]))
     assert (d.verdict, d.env) == ("same", 0)

@@ -84,6 +84,24 @@ def test_masked_latents_get_no_gradient_in_the_step(aggregate_weight):
     del mask, post
 
 
+@pytest.mark.parametrize("ablation", ["SDA", "A"])
+def test_usage_records_information_not_kl(ablation):
+    """Latent usage (eq. 5-6 bookkeeping) counts information: a latent whose mean is shifted by the
+    same amount for every image costs KL but is not 'used'."""
+    lrn = learner(ablation)
+    head, n = lrn.model.encoder.head, lrn.cfg.model.latents
+    with torch.no_grad():  # latent 0: mu = 3 and logvar = 0 for every image
+        head.weight[0].zero_(), head.weight[n].zero_()
+        head.bias[0].fill_(3.0), head.bias[n].zero_()
+    out = lrn.training_step(squares(16, torch.Generator().manual_seed(0), 0))
+    assert out.decision.verdict == "first"
+    assert float(out.kl_per_latent[0]) == pytest.approx(4.5, abs=1e-4)
+    assert float(lrn.inference.usage[0, 0]) < lrn.cfg.inference.used_kl
+    # The other latents' usage is their information: KL minus atypicality.
+    expected = (out.kl_per_latent - out.alpha).clamp_min(0) * out.mask
+    assert torch.allclose(lrn.inference.usage[0], expected)
+
+
 def test_a_mask_change_in_the_step_reopens_the_settling_period():
     lrn = learner("SDA", ["inference.cooldown=3", "mask.ema=0"])
     x = squares(16, torch.Generator().manual_seed(0), 0)

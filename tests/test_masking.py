@@ -2,7 +2,8 @@
 import torch
 
 from vase.config import MaskConfig
-from vase.masking import LatentMasks, atypicality, hysteresis
+from vase.masking import LatentMasks, atypicality, hysteresis, information
+from vase.objective import kl_per_latent
 
 
 def test_alpha_is_zero_for_prior_matching_posteriors():
@@ -26,6 +27,24 @@ def test_alpha_matches_moment_formula():
     m, v = 2.0, (1 + 1 + 1 + 9) / 2 - 4  # mean(sigma^2 + mu^2) - m^2 = 2
     expected = 0.5 * (v + m * m - 1 - torch.log(torch.tensor(v)))
     assert torch.allclose(atypicality(mu, logvar), expected.reshape(1))
+
+
+def test_information_ignores_a_shared_shift_of_the_posterior_means():
+    """KL = I + alpha: a shift common to every image adds KL and alpha alike, no information."""
+    informative_mu = torch.tensor([[0.6], [-0.6]]).repeat(50, 1)
+    logvar = torch.full_like(informative_mu, torch.log(torch.tensor(0.64)).item())
+
+    def info(mu, lv):
+        return information(kl_per_latent(mu, lv).mean(0), atypicality(mu, lv))
+
+    expected = -0.5 * torch.log(torch.tensor(0.64))  # KL of N(+-0.6, 0.64) to N(0,1); alpha = 0
+    assert torch.allclose(info(informative_mu, logvar), expected.reshape(1), atol=1e-5)
+    # The same latent shifted by 3 for every image: KL grows by 4.5 nats, information does not.
+    shifted = informative_mu + 3.0
+    assert float(kl_per_latent(shifted, logvar).mean()) > float(expected) + 4.4
+    assert torch.allclose(info(shifted, logvar), expected.reshape(1), atol=1e-4)
+    # A pure shift carries nothing, and the estimate never goes negative.
+    assert float(info(torch.full((32, 1), 3.0), torch.zeros(32, 1))) == 0.0
 
 
 def test_hysteresis_keeps_state_between_thresholds():

@@ -114,7 +114,8 @@ class InferenceConfig:
     error_margin: float = 25.0
     patience: int = 10  # consecutive "new" verdicts before allocating [ours]
     error_ema: float = 0.95  # running reconstruction error L_s [ours]
-    # A latent counts as "used" by an environment when its KL exceeds this many nats [ours].
+    # A latent counts as "used" by an environment when it carries more than this many nats of
+    # information: KL minus atypicality, an estimate of I(x; z_n) [ours].
     used_kl: float = 0.1
     # Re-identifying a PAST environment s also needs the batch's latent usage to agree with s's
     # [ours]: a latent s does not use, that another environment relies on (usage above

@@ -22,6 +22,8 @@ Our additions [ours] that make this usable on a real stream, each a named settin
   batches (a handful at each boundary), and makes re-identification robust to a classifier that
   has drifted towards the newest environment. A past environment must also agree in latent usage
   (`foreign_latents`).
+- Latent usage is read as information, KL minus atypicality (`vase.masking.information`), not as
+  KL: a latent whose mean is merely shifted costs KL but encodes no factor.
 """
 from __future__ import annotations
 
@@ -69,7 +71,7 @@ class EnvironmentInference:
         self.n_envs = 0
         self.current = 0
         self.errors = torch.zeros(k_max)  # L_s
-        self.usage = torch.zeros(k_max, latents)  # running per-latent KL while training in s
+        self.usage = torch.zeros(k_max, latents)  # running per-latent information while training in s
         self.recorded = torch.zeros(k_max, dtype=torch.bool)
         self.pending = 0
         self.settling_since = -(10**9)  # step of the last allocation or mask change of `current`
@@ -100,7 +102,7 @@ class EnvironmentInference:
         return self.cfg.kappa * float(self.errors[env]) + self.cfg.error_margin
 
     def failures(
-        self, env: int, error: float, alpha: torch.Tensor, kl: torch.Tensor, masks: LatentMasks
+        self, env: int, error: float, alpha: torch.Tensor, information: torch.Tensor, masks: LatentMasks
     ) -> tuple[list[str], list[int]]:
         """Which conditions of eq. 6 the batch fails for candidate `env` (none: it passes), and the
         latents on which the mask test failed."""
@@ -108,17 +110,17 @@ class EnvironmentInference:
         if error > self.threshold(env):
             reasons.append(RECONSTRUCTION)
         if self.use_masks:
-            latents = self.mask_disagreement(env, alpha, kl, masks).nonzero().flatten().tolist()
+            latents = self.mask_disagreement(env, alpha, information, masks).nonzero().flatten().tolist()
             if latents:
                 reasons.append(MASK)
         if env != self.current:
-            foreign = self.foreign_latents(env, kl).nonzero().flatten().tolist()
+            foreign = self.foreign_latents(env, information).nonzero().flatten().tolist()
             if foreign:
                 reasons.append(USAGE)
                 latents = sorted(set(latents) | set(foreign))
         return reasons, latents
 
-    def foreign_latents(self, env: int, kl: torch.Tensor) -> torch.Tensor:
+    def foreign_latents(self, env: int, information: torch.Tensor) -> torch.Tensor:
         """Latents that make a batch foreign to the past environment `env` [ours]: env does not
         use them, another environment relies on them, and this batch carries at least
         `foreign_use` times that environment's usage in them. The batch expresses a factor env
@@ -133,22 +135,26 @@ class EnvironmentInference:
         """
         relied = self.usage_elsewhere(env)
         unused = self.usage[env] <= self.cfg.used_kl
-        return unused & (relied > self.cfg.relied_kl) & (kl > self.cfg.foreign_use * relied)
+        return unused & (relied > self.cfg.relied_kl) & (information > self.cfg.foreign_use * relied)
 
-    def mask_disagreement(self, env: int, alpha: torch.Tensor, kl: torch.Tensor, masks: LatentMasks) -> torch.Tensor:
+    def mask_disagreement(
+        self, env: int, alpha: torch.Tensor, information: torch.Tensor, masks: LatentMasks
+    ) -> torch.Tensor:
         """Latents on which the batch's own mask a(x) contradicts a^env (the second test of eq. 6).
 
-        Compared only where the verdict is clear [ours]: a latent env relies on (unmasked, used,
-        and settled: its smoothed alpha in env is below lambda_low) turns atypical on this batch
-        (alpha > lambda_high), or a latent env masks is typical and informative on this batch.
-        A latent env is still learning has an unsettled alpha and is not evidence either way.
+        Compared only where the verdict is clear on both sides [ours]: a latent env relies on
+        (unmasked, used, and settled: its smoothed alpha in env is below lambda_low) turns atypical
+        on this batch (alpha > lambda_high), or a latent env masks with a settled reason (smoothed
+        alpha above lambda_high) is typical and informative on this batch. A latent whose smoothed
+        alpha in env is inside the hysteresis band is in transition within env (being learnt, or
+        returning to the prior) and is not evidence either way.
         """
         low, high = masks.cfg.lambda_low, masks.cfg.lambda_high
         a_env = masks.mask(env).bool()
-        settled = masks.alpha[env] < low
+        settled_on, settled_off = masks.alpha[env] < low, masks.alpha[env] > high
         used = self.usage[env] > self.cfg.used_kl
-        lost = a_env & settled & used & (alpha > high)
-        gained = ~a_env & (alpha < low) & (kl > self.cfg.used_kl)
+        lost = a_env & settled_on & used & (alpha > high)
+        gained = ~a_env & settled_off & (alpha < low) & (information > self.cfg.used_kl)
         return lost | gained
 
     # -- the decision -----------------------------------------------------------------------------
@@ -157,11 +163,12 @@ class EnvironmentInference:
         step: int,
         probs: torch.Tensor,
         alpha: torch.Tensor,
-        kl: torch.Tensor,
+        information: torch.Tensor,
         masks: LatentMasks,
         error_under: Callable[[int], float],
     ) -> Decision:
-        """Decide the environment of one batch (eq. 6). `error_under(s)` reconstructs it under s."""
+        """Decide the environment of one batch (eq. 6) from its atypicality and per-latent
+        information (`vase.masking.information`). `error_under(s)` reconstructs it under s."""
         if self.n_envs == 0:
             return self._allocate(step, 0, "first", [])
         predicted = self.predict(probs)
@@ -180,7 +187,7 @@ class EnvironmentInference:
         first, tried = None, []
         for env in candidates:
             error = error_under(env)
-            reasons, latents = self.failures(env, error, alpha, kl, masks)
+            reasons, latents = self.failures(env, error, alpha, information, masks)
             tried.append([env, reasons])
             if first is None:
                 first = (reasons, error, self.threshold(env), latents)
@@ -222,15 +229,15 @@ class EnvironmentInference:
             self.settling_since = step
             self.recorded[env] = False
 
-    def record(self, env: int, error: float, kl: torch.Tensor) -> None:
-        """Fold a trained batch into L_env and the latent usage of env."""
+    def record(self, env: int, error: float, information: torch.Tensor) -> None:
+        """Fold a trained batch into L_env and the latent usage (information per latent) of env."""
         if not self.recorded[env]:
-            self.errors[env], self.usage[env] = error, kl
+            self.errors[env], self.usage[env] = error, information
             self.recorded[env] = True
             return
         e = self.cfg.error_ema
         self.errors[env] = e * self.errors[env] + (1 - e) * error
-        self.usage[env] = e * self.usage[env] + (1 - e) * kl
+        self.usage[env] = e * self.usage[env] + (1 - e) * information
 
     # -- checkpointing ----------------------------------------------------------------------------
     def state_dict(self) -> dict:

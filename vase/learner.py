@@ -17,7 +17,7 @@ from vase.config import Config
 from vase.dreaming import Dreams, Snapshot, decoder_proximity, encoder_proximity
 from vase.errors import NumericalError
 from vase.inference import Decision, EnvironmentInference
-from vase.masking import LatentMasks, atypicality
+from vase.masking import LatentMasks, atypicality, information
 from vase.networks import VAE, EnvironmentClassifier, Posterior
 from vase.objective import capacity, kl_per_latent, masked_kl, masked_sample, mdl_loss, reconstruction_nll
 
@@ -93,6 +93,8 @@ class Learner:
         with torch.no_grad():
             alpha = atypicality(real.mu, real.logvar)  # eq. 4
             kl_batch = kl_per_latent(real.mu, real.logvar).mean(0)
+            # Latent usage for eq. 5-6 is read as information, not KL [ours]: see `information`.
+            info_batch = information(kl_batch, alpha)
         noise = torch.randn(real.mu.shape, generator=self.generator)
         class_logits = self.classifier(posterior.hidden) if cfg.inference.enabled else None
 
@@ -108,10 +110,10 @@ class Learner:
         if cfg.inference.enabled:
             probs = F.softmax(class_logits[:batch].detach(), dim=1).mean(0)
             decision = self.inference.infer(
-                t, probs, alpha, kl_batch, self.masks, lambda env: float(reconstruct(env)[2].detach().mean())
+                t, probs, alpha, info_batch, self.masks, lambda env: float(reconstruct(env)[2].detach().mean())
             )
         else:
-            decision = self.inference.infer(t, torch.ones(1), alpha, kl_batch, self.masks, lambda env: 0.0) \
+            decision = self.inference.infer(t, torch.ones(1), alpha, info_batch, self.masks, lambda env: 0.0) \
                 if self.inference.n_envs == 0 else Decision(t, 0, 0, "same")
         s = decision.env
         maskable = self.inference.maskable(s) if cfg.inference.enabled else None
@@ -147,7 +149,8 @@ class Learner:
 
         # Bookkeeping of eq. 5 and eq. 6 for the environment just trained (not on a doubtful batch).
         if decision.verdict != "pending":
-            self.inference.record(s, float(recon.detach().mean()), kl_batch * mask)  # masked latents carry no KL (eq. 2)
+            # Masked latents are prior noise (eq. 2): they carry nothing for this environment.
+            self.inference.record(s, float(recon.detach().mean()), info_batch * mask)
             if cfg.mask.enabled and not torch.equal(self.masks.update(s, alpha, maskable), mask):
                 self.inference.resettle(s, t)  # L_s was measured under the old mask
         if cfg.dream.enabled and (t + 1) % cfg.dream.snapshot_every == 0:

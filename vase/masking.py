@@ -18,6 +18,17 @@ def atypicality(mu: torch.Tensor, logvar: torch.Tensor) -> torch.Tensor:
     return 0.5 * (v + m.pow(2) - 1.0 - v.log())
 
 
+def information(kl: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """Per-latent information I(x; z_n) estimated from a batch: its mean KL minus its atypicality.
+
+    E_x KL(q(z_n|x) || p) = I(x; z_n) + KL(q(z_n) || p), and eq. 4's alpha_n estimates the second
+    term. A latent whose mean is shifted by the same amount for every image costs KL but tells the
+    decoder nothing; this reading gives it ~0. Clamped at 0: the moment approximation of alpha is
+    not exact, and on a batch the difference can dip below zero.
+    """
+    return (kl - alpha).clamp_min(0)
+
+
 def hysteresis(alpha: torch.Tensor, previous: torch.Tensor, cfg: MaskConfig, maskable: torch.Tensor | None = None) -> torch.Tensor:
     """Eq. 5 with two thresholds: off above lambda_high, on below lambda_low, else unchanged.
 

@@ -18,7 +18,7 @@ from vase.data.environments import load_sequence
 from vase.errors import CheckpointError, NumericalError, VaseError
 from vase.evaluation import ENCODER_DIR, FrozenEncoder, disentanglement_scores, encoder_path
 from vase.learner import Learner, StepOutput
-from vase.masking import atypicality
+from vase.masking import atypicality, information
 from vase.objective import kl_per_latent, reconstruction_nll
 from vase.probing import ProbeSuite
 from vase.stream import Stream
@@ -263,7 +263,8 @@ class Trainer:
     def latent_use(self, slots: list[int]) -> list[dict]:
         """Per true environment, at the end, as the paper reads Fig. 3's latent-use matrix: the slot
         it was trained under (`slots`, the majority of its steps), the latents that slot used while
-        it trained (its running usage above used_kl; with S off, slot 0's usage at the end), that
+        it trained (its running usage, in nats of information, above used_kl; with S off, slot 0's
+        usage at the end), that
         slot's mask, and, on the environment's held-out images now, the mean KL of each latent and
         the unmasked latents above used_kl.
 
@@ -276,7 +277,7 @@ class Trainer:
         for env, x, slot in zip(self.envs, self.held_out, slots):
             post = self.learner.model.encoder(x)
             kl = kl_per_latent(post.mu, post.logvar).mean(0)
-            info = (kl - atypicality(post.mu, post.logvar)).clamp_min(0)
+            info = information(kl, atypicality(post.mu, post.logvar))
             mask = self.learner.masks.mask(slot)
             rows.append({
                 "true_env": env.name, "slot": slot,

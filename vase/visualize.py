@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torchvision.utils import make_grid
 
+from vase.objective import kl_per_latent
+
 # Row colours of a traversal: the latent is used by this environment, masked, or spare (Fig. 2 top).
 USED, MASKED, SPARE = (0.2, 0.8, 0.2), (0.8, 0.2, 0.2), (0.5, 0.5, 0.5)
 TRAVERSAL_VALUES = torch.linspace(-2.0, 2.0, 7)
@@ -20,7 +22,8 @@ def traversal_grid(learner, image: torch.Tensor, env: int, used_kl: float) -> to
     """Each row sweeps one latent over -2..2 from the seed image's mu, decoded under env.
 
     Rows are sorted by the latent's KL on the seed (informative first, as disentangling-vae does),
-    and a coloured band on the left says whether env uses the latent, masks it, or leaves it spare.
+    and a coloured band on the left says whether env uses the latent (its running information,
+    `EnvironmentInference.usage`), masks it, or leaves it spare.
     """
     post = learner.model.encoder(image[None])
     mask = learner.masks.mask(env)
@@ -33,7 +36,7 @@ def traversal_grid(learner, image: torch.Tensor, env: int, used_kl: float) -> to
     frames = torch.sigmoid(learner.model.decoder(z, torch.full((z.shape[0],), env, dtype=torch.long)))
     frames = frames.expand(-1, 3, -1, -1).reshape(n, len(values), 3, *frames.shape[-2:])
     usage = learner.inference.usage[env] if learner.cfg.inference.enabled else torch.full((n,), used_kl + 1)
-    kl = 0.5 * (post.mu[0].pow(2) + post.logvar[0].exp() - 1 - post.logvar[0])
+    kl = kl_per_latent(post.mu, post.logvar)[0]
     order = torch.argsort(kl, descending=True)
     band = torch.empty(n, 1, 3, *frames.shape[-2:])
     for i in range(n):
