@@ -33,10 +33,8 @@ def summary_text(results: dict, run_dir: Path) -> str:
     if use:
         n = len(use[0]["kl_per_latent"])
         used = _latent_union(use, "used_in_training")
-        if used is not None:
-            lines.append(f"latent use (information above inference.used_kl): {len(used)}/{n} latents used by some slot while it trained")
-        else:
-            lines.append("latent use (information above inference.used_kl):")
+        heading = "latent use (information above inference.used_kl):"
+        lines.append(heading if used is None else f"{heading} {len(used)}/{n} latents used by some slot while it trained")
         informative = _latent_union(use, "informative")
         if informative is not None:
             lines.append(

@@ -264,9 +264,8 @@ class Trainer:
         """Per true environment, at the end, as the paper reads Fig. 3's latent-use matrix: the slot
         it was trained under (`slots`, the majority of its steps), the latents that slot used while
         it trained (its running usage, in nats of information, above used_kl; with S off, slot 0's
-        usage at the end), that
-        slot's mask, and, on the environment's held-out images now, the mean KL of each latent and
-        the unmasked latents above used_kl.
+        usage at the end), that slot's mask, and, on the environment's held-out images now, the
+        mean KL of each latent and the unmasked latents above used_kl.
 
         KL alone can be met without information: a latent whose mean is shifted by a constant costs
         KL but tells the decoder nothing. So each row also has the information of each latent,
