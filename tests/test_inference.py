@@ -1,4 +1,6 @@
 """S: the decision rule of eq. 6 on hand-made inputs."""
+import io
+
 import pytest
 import torch
 
@@ -178,3 +180,46 @@ def test_the_current_environment_is_never_refused_for_usage():
     assert inf.foreign_latents(0, torch.tensor([1.5, 0.0, 0.0, 1.8])).any()
     d = decide(inf, masks, 3, {0: 100.0, 1: 400.0}, info=torch.tensor([1.5, 0.0, 0.0, 1.8]))
     assert (d.verdict, d.env) == ("same", 0)
+
+
+def _switch_back_into_env_0(cooldown):
+    """Env 0, then env 1, then a batch that passes env 0's tests only: a switch back into env 0."""
+    inf, masks = setup(patience=1, cooldown=cooldown, k_max=4)
+    decide(inf, masks, 0, 100.0, info=torch.tensor([1.0, 1.0, 0.0, 0.0]))
+    decide(inf, masks, 30, {0: 400.0, 1: 100.0}, info=torch.tensor([0.0, 0.0, 1.0, 0.0]))  # new env 1
+    d = decide(inf, masks, 60, {0: 100.0, 1: 400.0}, info=torch.tensor([1.0, 1.0, 0.0, 0.0]))
+    assert (d.verdict, d.env) == ("switch", 0)
+    before = (inf.errors[0].clone(), inf.usage[0].clone(), masks.alpha[0].clone())
+    # A batch trained in env 0 that is not env 0's data: it carries latent 3 and shifts alpha there.
+    d = decide(inf, masks, 61, 120.0, info=torch.tensor([1.0, 1.0, 0.0, 2.0]),
+               alpha=torch.tensor([0.0, 0.0, 0.0, 0.4]))
+    assert (d.verdict, d.env) == ("same", 0) and inf.usage[0, 3] == 2.0 and inf.errors[0] == 120.0
+    return inf, masks, before
+
+
+@pytest.mark.parametrize("left_after, restored", [(5, True), (30, False)])
+def test_a_past_environment_left_within_the_cooldown_of_a_switch_gets_its_statistics_back(left_after, restored):
+    """Rule 12: no environment lasts less than `cooldown` steps, so a switch into a past
+    environment that the stream leaves sooner was a mistake, and what its batches wrote into that
+    environment's L_s, usage and mask is undone. After the cooldown it is that environment's data."""
+    inf, masks, (error, usage, alpha) = _switch_back_into_env_0(cooldown=20)
+    d = decide(inf, masks, 60 + left_after, 10_000.0, info=torch.tensor([0.0, 0.0, 0.0, 2.0]))
+    assert (d.verdict, d.env) == ("new", 2)
+    assert d.restored == (0 if restored else None)
+    assert torch.equal(inf.usage[0], usage) == restored
+    assert (inf.errors[0] == error) == restored
+    assert torch.equal(masks.alpha[0], alpha) == restored
+    assert inf.probation is None
+
+
+def test_probation_survives_a_checkpoint():
+    inf, masks, (error, usage, alpha) = _switch_back_into_env_0(cooldown=20)
+    resumed, resumed_masks = setup(patience=1, cooldown=20, k_max=4)
+    # Through the bytes a checkpoint holds, and the safe loader that reads them.
+    saved = io.BytesIO()
+    torch.save({"inference": inf.state_dict(), "masks": masks.state_dict()}, saved)
+    state = torch.load(io.BytesIO(saved.getvalue()), weights_only=True)
+    resumed.load_state_dict(state["inference"])
+    resumed_masks.load_state_dict(state["masks"])
+    d = decide(resumed, resumed_masks, 65, 10_000.0)
+    assert d.restored == 0 and torch.equal(resumed.usage[0], usage) and torch.equal(resumed_masks.alpha[0], alpha)

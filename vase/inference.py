@@ -24,6 +24,9 @@ Our additions [ours] that make this usable on a real stream, each a named settin
   (`foreign_latents`).
 - Latent usage is read as information, KL minus atypicality (`vase.masking.information`), not as
   KL: a latent whose mean is merely shifted costs KL but encodes no factor.
+- A switch back into a past environment is on probation for `cooldown` steps: if the stream leaves
+  that environment again within them, the batches trained there were not its data, and its
+  statistics (L_s, usage, mask) are restored to what they were before the switch.
 """
 from __future__ import annotations
 
@@ -52,6 +55,7 @@ class Decision:
     threshold: float = float("nan")  # kappa * L for that candidate
     disagreeing: list[int] = field(default_factory=list)  # latents whose mask (or usage) test failed there
     tried: list = field(default_factory=list)  # [candidate, its failed tests] for every env tried
+    restored: int | None = None  # a past environment left while on probation: its statistics rolled back
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -59,6 +63,18 @@ class Decision:
     @property
     def allocated(self) -> bool:
         return self.verdict in ("first", "new")
+
+
+@dataclass
+class Probation:
+    """A past environment just switched back into, and its statistics from before the switch [ours]."""
+
+    env: int
+    since: int  # the step of the switch
+    error: torch.Tensor  # L_env
+    usage: torch.Tensor
+    recorded: bool
+    mask: dict  # `LatentMasks.row(env)`
 
 
 class EnvironmentInference:
@@ -76,6 +92,7 @@ class EnvironmentInference:
         self.pending = 0
         self.settling_since = -(10**9)  # step of the last allocation or mask change of `current`
         self.full_warned = False
+        self.probation: Probation | None = None
 
     # -- queries ----------------------------------------------------------------------------------
     def past_environments(self) -> list[int]:
@@ -193,8 +210,12 @@ class EnvironmentInference:
                 first = (reasons, error, self.threshold(env), latents)
             if not reasons:
                 verdict = "same" if env == self.current else "switch"
+                restored = self._leave_probation(step, env, masks)
+                if verdict == "switch":
+                    self.probation = Probation(env, step, self.errors[env].clone(), self.usage[env].clone(),
+                                               bool(self.recorded[env]), masks.row(env))
                 self.current, self.pending = env, 0
-                return Decision(step, env, predicted, verdict, *first, tried)
+                return Decision(step, env, predicted, verdict, *first, tried, restored)
         reasons, error, threshold, latents = first
         self.pending += 1
         if self.pending < self.cfg.patience:
@@ -209,10 +230,32 @@ class EnvironmentInference:
                 self.full_warned = True
             self.pending = 0
             return Decision(step, self.current, predicted, "full", reasons, error, threshold, latents, tried)
+        restored = self._leave_probation(step, self.n_envs, masks)
         decision = self._allocate(step, self.n_envs, "new", reasons)
         decision.predicted, decision.error, decision.threshold = predicted, error, threshold
-        decision.disagreeing, decision.tried = latents, tried
+        decision.disagreeing, decision.tried, decision.restored = latents, tried, restored
         return decision
+
+    def _leave_probation(self, step: int, env: int, masks: LatentMasks) -> int | None:
+        """The stream goes to `env`. If that leaves a past environment it switched back into fewer
+        than `cooldown` steps ago, restore that environment's statistics and return it [ours].
+
+        No environment lasts less than `cooldown` steps, so such a switch was a mistake: the
+        batches it trained there came from somewhere else. Left in, they would make the past
+        environment "use" the newcomer's latents (its usage record, and so which latents later
+        environments may mask) and shift its L_s and mask. On the digits, moving MNIST passed moving
+        Fashion's tests for a few batches before failing them, and Fashion's slot then listed
+        latents that only moving MNIST had used. The weights those batches trained are not undone.
+        """
+        p = self.probation
+        if p is None or p.env == env:
+            return None
+        self.probation = None
+        if step - p.since >= self.cfg.cooldown:
+            return None
+        self.errors[p.env], self.usage[p.env], self.recorded[p.env] = p.error, p.usage, p.recorded
+        masks.restore_row(p.env, p.mask)
+        return p.env
 
     def _allocate(self, step: int, env: int, verdict: str, reasons: list[str]) -> Decision:
         self.n_envs = env + 1
@@ -250,6 +293,7 @@ class EnvironmentInference:
             "pending": self.pending,
             "settling_since": self.settling_since,
             "full_warned": self.full_warned,
+            "probation": None if self.probation is None else asdict(self.probation),
         }
 
     def load_state_dict(self, d: dict) -> None:
@@ -257,3 +301,5 @@ class EnvironmentInference:
         self.errors, self.usage, self.recorded = d["errors"].clone(), d["usage"].clone(), d["recorded"].clone()
         self.pending, self.settling_since = int(d["pending"]), int(d["settling_since"])
         self.full_warned = bool(d["full_warned"])
+        probation = d.get("probation")  # absent from checkpoints written before probation existed
+        self.probation = None if probation is None else Probation(**probation)

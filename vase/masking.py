@@ -85,6 +85,13 @@ class LatentMasks:
             self.masks[env] = hysteresis(self.alpha[env], self.masks[env], self.cfg, maskable)
         return self.mask(env)
 
+    def row(self, env: int) -> dict:
+        """The state of one environment's mask, to restore with `restore_row`."""
+        return {"mask": self.masks[env].clone(), "alpha": self.alpha[env].clone(), "initialised": bool(self.initialised[env])}
+
+    def restore_row(self, env: int, row: dict) -> None:
+        self.masks[env], self.alpha[env], self.initialised[env] = row["mask"], row["alpha"], row["initialised"]
+
     def state_dict(self) -> dict:
         return {"masks": self.masks.clone(), "alpha": self.alpha.clone(), "initialised": self.initialised.clone()}
 

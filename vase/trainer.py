@@ -206,12 +206,15 @@ class Trainer:
         elif d.verdict != "same":
             self.record.events.append(d.as_dict())
             if d.verdict in ("first", "new", "full"):
+                restored = "" if d.restored is None else \
+                    f"; environment {d.restored} was left on probation and its statistics restored"
                 self.writer.add_text(
                     "inference/events",
                     f"step {d.step}: {d.verdict} -> environment {d.env} (predicted {d.predicted}; "
                     f"failed on: {', '.join(d.reasons) or '-'}; error {d.error:.1f} vs threshold {d.threshold:.1f}; "
                     f"mask or usage disagreed on latents {d.disagreeing or '-'}; "
-                    f"tried: {'; '.join(f'{env}: ' + (', '.join(r) or 'passed') for env, r in d.tried) or '-'})",
+                    f"tried: {'; '.join(f'{env}: ' + (', '.join(r) or 'passed') for env, r in d.tried) or '-'}"
+                    f"{restored})",
                     d.step + 1,
                 )
 
