@@ -164,6 +164,23 @@ def test_eval_reproduces_the_training_probes_exactly(sprite_run):
 
 
 @pytest.mark.slow
+def test_eval_recomputes_the_factor_latents_of_a_run_that_lacks_them(sprite_run, tmp_path):
+    run, result = sprite_run
+    assert result.exit_code == 0, result.output
+    trained = [row["factor_latents"] for row in json.loads((run / "results.json").read_text())["latent_use"]]
+    assert trained[0].keys() >= {"x", "y"}  # moving shapes A: its position factors, never the class
+    old = tmp_path / "old-run"  # as written before the field existed
+    shutil.copytree(run, old)
+    results = json.loads((old / "results.json").read_text())
+    for row in results["latent_use"]:
+        del row["factor_latents"]
+    (old / "results.json").write_text(json.dumps(results))
+    evaluated = invoke(["eval", str(old), "--json"])
+    assert evaluated.exit_code == 0, evaluated.output
+    assert [row["factor_latents"] for row in json.loads(evaluated.stdout)["latent_use"]] == trained
+
+
+@pytest.mark.slow
 def test_train_on_the_digit_sequence(digit_root, tmp_path):
     run = tmp_path / "digits"
     args = tiny_args(run, digit_root, steps=10, probe__every=10)

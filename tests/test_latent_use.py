@@ -3,12 +3,25 @@ images, that environment's mask, and the active latents, checked on an analytic 
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from vase.config import build_config
 from vase.learner import Learner
 from vase.networks import Posterior
 from vase.trainer import Trainer
+
+
+def with_factors(class_, **factors):
+    """A held-out test environment stand-in: its factor matrix and names, class first."""
+    names = ["class", *factors]
+    matrix = np.stack([np.asarray(class_, np.float32), *(np.asarray(v, np.float32) for v in factors.values())], 1)
+    return SimpleNamespace(factor_matrix=lambda: matrix, factor_names=lambda: names)
+
+
+def frozen(learner):
+    """The trainer's FrozenEncoder stand-in: mu(x) of the learner's (hand-made) encoder."""
+    return SimpleNamespace(load=lambda state: SimpleNamespace(posterior=learner.model.encoder))
 
 
 class FixedEncoder(torch.nn.Module):
@@ -32,6 +45,7 @@ def test_latent_use_reports_kl_mask_and_active_latents():
     learner.inference.usage[0] = torch.tensor([1.5] + [0.0] * (cfg.model.latents - 2) + [0.05])  # used while training: latent 0
     fake = SimpleNamespace(
         cfg=cfg, learner=learner, envs=[SimpleNamespace(name="one")], held_out=[torch.rand(5, 1, 64, 64)],
+        test_envs=[with_factors(class_=[0, 1, 0, 1, 0], x=[0, 1, 2, 3, 4])], frozen_encoder=frozen(learner),
     )
     (row,) = Trainer.latent_use(fake, [0])
     assert row["true_env"] == "one" and row["slot"] == 0
@@ -48,6 +62,8 @@ def test_latent_use_reports_kl_mask_and_active_latents():
     text = summary_text(results, Path("run"))
     assert f"1/{cfg.model.latents} latents used by some slot while it trained" in text
     assert "slot 0: used [0], masked [2]; active on its held-out images now: 1/" in text
+    # Constant codes carry no linear signal: every |r| is 0, and ties keep the latents' order.
+    assert "strongest latents per factor (|r| of the mean): x z0 0.00, z1 0.00, z2 0.00" in text
 
 
 class ShiftedAndInformativeEncoder(torch.nn.Module):
@@ -71,8 +87,11 @@ def test_latent_use_tells_information_from_a_constant_shift():
     cfg = build_config("cpu", ["inference.used_kl=0.1"], ablation="A")
     learner = Learner(cfg)
     learner.model.encoder = ShiftedAndInformativeEncoder(cfg.model.latents, cfg.model.hidden)
+    x_position = [1.0, -1.0, 1.1, -1.1, 0.9, -0.9]  # follows latent 1's sign
     fake = SimpleNamespace(
         cfg=cfg, learner=learner, envs=[SimpleNamespace(name="one")], held_out=[torch.rand(6, 1, 64, 64)],
+        test_envs=[with_factors(class_=[0, 1, 2, 0, 1, 2], x=x_position, y=[0.0, 0, 1, 1, 0, 0])],
+        frozen_encoder=frozen(learner),
     )
     (row,) = Trainer.latent_use(fake, [0])
     assert row["kl_per_latent"][:2] == [2.0, 2.0]
@@ -80,3 +99,9 @@ def test_latent_use_tells_information_from_a_constant_shift():
     assert row["info_per_latent"][0] == 0.0  # ... but the shifted one tells the decoder nothing
     assert abs(row["info_per_latent"][1] - (2.0 - 0.5 * (4.0 - math.log(5.0)))) < 1e-3
     assert row["informative"] == [1]
+    # x follows latent 1, whose sample is its mean (variance 4) plus unit posterior noise, so its
+    # |r| is that of the mean times sqrt(4 / 5). y is uncorrelated with every latent (|r| 0).
+    r_mean = abs(np.corrcoef([2.0, -2.0] * 3, x_position)[0, 1])
+    assert row["factor_latents"]["x"][0] == [1, round(r_mean * (4 / 5) ** 0.5, 3)]
+    assert row["factor_latents"]["y"][0] == [0, 0.0]
+    assert set(row["factor_latents"]) == {"x", "y"}  # never the class

@@ -2,7 +2,8 @@
 
 `vase eval RUN_DIR` reloads the encoder weights the trainer saved at every probe point and recomputes
 the probes with the same fixed probe sets, so it reproduces the run's probe numbers exactly; it
-also recomputes MIG and DCI at every environment boundary.
+also recomputes MIG and DCI at every environment boundary, and, with the last saved encoder, the
+latents that carry each factor in every environment (`factor_latents` of the latent-use table).
 """
 from __future__ import annotations
 
@@ -17,11 +18,14 @@ from vase.config import Config, load_run_config
 from vase.data.environments import load_sequence
 from vase.errors import VaseError
 from vase.metrics.disentanglement import dci, mig
+from vase.metrics.factor_latents import environment_factor_latents
 from vase.networks import Encoder
 from vase.probing import ProbeSuite
 
 # Held-out images per environment for MIG/DCI [ours]: enough for 20-bin histograms, fast on 2 cores.
 METRIC_IMAGES = 2000
+# Held-out images per environment for the reconstruction-error matrix and the latent-use table.
+HELD_OUT = 512
 ENCODER_DIR = "encoders"
 
 
@@ -42,6 +46,17 @@ class FrozenEncoder:
     @torch.no_grad()
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x).mu
+
+    @torch.no_grad()
+    def posterior(self, x: torch.Tensor):
+        return self.net(x)
+
+
+def factor_latents(env, encode: FrozenEncoder, x: torch.Tensor) -> dict:
+    """The latents that carry each factor of env, on its held-out images x (the latent-use table's
+    `factor_latents`, for the trainer and for `vase eval` alike)."""
+    post = encode.posterior(x)
+    return environment_factor_latents(env, post.mu.numpy(), post.logvar.exp().numpy())
 
 
 def encoder_path(run_dir: Path, step: int) -> Path:
@@ -99,4 +114,8 @@ def evaluate_run(run_dir: Path, progress: bool = False) -> dict:
     }
     out["probes"] = suite.results()
     out["disentanglement"] = metrics
+    if out.get("latent_use"):  # one row per environment of the sequence, in order
+        for row, env in zip(out["latent_use"], envs):
+            x = env.batch(torch.arange(min(HELD_OUT, len(env))))
+            row["factor_latents"] = factor_latents(env, encode, x)
     return out

@@ -48,6 +48,12 @@ def summary_text(results: dict, run_dir: Path) -> str:
                 f"  {row['true_env']:<18} slot {row['slot']}: {trained}masked {row['masked']}; "
                 f"active on its held-out images now: {len(row['active'])}/{n}{info}"
             )
+            if row.get("factor_latents"):
+                strongest = "; ".join(
+                    f"{name} " + ", ".join(f"z{latent} {r:.2f}" for latent, r in pairs)
+                    for name, pairs in row["factor_latents"].items()
+                )
+                lines.append(f"  {'':<18} strongest latents per factor (|r| of the mean): {strongest}")
     probes = results.get("probes")
     if probes:
         from vase.metrics.continual import format_table1_row, table1_header

@@ -16,7 +16,7 @@ from vase.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint, sa
 from vase.config import Config
 from vase.data.environments import load_sequence
 from vase.errors import CheckpointError, NumericalError, VaseError
-from vase.evaluation import ENCODER_DIR, FrozenEncoder, disentanglement_scores, encoder_path
+from vase.evaluation import ENCODER_DIR, HELD_OUT, FrozenEncoder, disentanglement_scores, encoder_path, factor_latents
 from vase.learner import Learner, StepOutput
 from vase.masking import atypicality, information
 from vase.objective import kl_per_latent, reconstruction_nll
@@ -24,9 +24,7 @@ from vase.probing import ProbeSuite
 from vase.stream import Stream
 from vase.visualize import mask_image, reconstruction_grid, traversal_grid
 
-# Held-out images per environment for the reconstruction-error matrix and the image panels.
-HELD_OUT = 512
-PANEL = 8
+PANEL = 8  # images per environment in the reconstruction and traversal panels
 
 
 def run_dir_for(cfg: Config, run_dir: str | None, root: str = "runs") -> Path:
@@ -273,10 +271,13 @@ class Trainer:
         KL alone can be met without information: a latent whose mean is shifted by a constant costs
         KL but tells the decoder nothing. So each row also has the information of each latent,
         mean KL minus the atypicality alpha (eq. 4), an estimate of I(x; z_n) (E_x KL(q(z_n|x) || p)
-        = I(x; z_n) + KL(q(z_n) || p)), and the unmasked latents whose information is above used_kl."""
+        = I(x; z_n) + KL(q(z_n) || p)), and the unmasked latents whose information is above used_kl.
+        Last, for each factor other than the class (x and y on the digits), the latents whose means
+        correlate most strongly with it (`vase.metrics.factor_latents`)."""
         rows = []
         used_kl = self.cfg.inference.used_kl
-        for env, x, slot in zip(self.envs, self.held_out, slots):
+        frozen = self.frozen_encoder.load(self.learner.model.encoder.state_dict())
+        for env, test_env, x, slot in zip(self.envs, self.test_envs, self.held_out, slots):
             post = self.learner.model.encoder(x)
             kl = kl_per_latent(post.mu, post.logvar).mean(0)
             info = information(kl, atypicality(post.mu, post.logvar))
@@ -289,6 +290,9 @@ class Trainer:
                 "info_per_latent": [round(float(i), 4) for i in info],
                 "active": ((kl > used_kl) & mask.bool()).nonzero().flatten().tolist(),
                 "informative": ((info > used_kl) & mask.bool()).nonzero().flatten().tolist(),
+                # Fig. 2-3's position claim: which latents carry x and y in each environment. Read
+                # through the frozen encoder, as the probes are, so `vase eval` recomputes it exactly.
+                "factor_latents": factor_latents(test_env, frozen, x),
             })
         return rows
 

@@ -2,6 +2,7 @@
 
 - ``probes``: linear object-ID classifier and position regressor on frozen codes.
 - ``disentanglement``: MIG and DCI from ground-truth factors.
+- ``factor_latents``: the latents that carry each factor (position on the digits).
 - ``continual``: Table 1 columns, the R matrix, average forgetting and backward transfer.
 - ``plots``: probe-curve and atypicality figures as RGB arrays.
 
