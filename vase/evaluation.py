@@ -18,7 +18,7 @@ from vase.config import Config, load_run_config
 from vase.data.environments import load_sequence
 from vase.errors import VaseError
 from vase.metrics.disentanglement import dci, mig
-from vase.metrics.factor_latents import environment_factor_latents
+from vase.metrics.factor_latents import strongest_latents
 from vase.networks import Encoder
 from vase.probing import ProbeSuite
 
@@ -52,11 +52,17 @@ class FrozenEncoder:
         return self.net(x)
 
 
+def held_out_images(env) -> torch.Tensor:
+    """The first HELD_OUT test images of env, as the trainer and `vase eval` both read them."""
+    return env.batch(torch.arange(min(HELD_OUT, len(env))))
+
+
 def factor_latents(env, encode: FrozenEncoder, x: torch.Tensor) -> dict:
     """The latents that carry each factor of env, on its held-out images x (the latent-use table's
     `factor_latents`, for the trainer and for `vase eval` alike)."""
     post = encode.posterior(x)
-    return environment_factor_latents(env, post.mu.numpy(), post.logvar.exp().numpy())
+    names, factors = env.factor_names(), env.factor_matrix()[: x.shape[0]]
+    return strongest_latents(post.mu.numpy(), factors, names, post.logvar.exp().numpy())
 
 
 def encoder_path(run_dir: Path, step: int) -> Path:
@@ -116,6 +122,5 @@ def evaluate_run(run_dir: Path, progress: bool = False) -> dict:
     out["disentanglement"] = metrics
     if out.get("latent_use"):  # one row per environment of the sequence, in order
         for row, env in zip(out["latent_use"], envs):
-            x = env.batch(torch.arange(min(HELD_OUT, len(env))))
-            row["factor_latents"] = factor_latents(env, encode, x)
+            row["factor_latents"] = factor_latents(env, encode, held_out_images(env))
     return out

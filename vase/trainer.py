@@ -16,7 +16,9 @@ from vase.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint, sa
 from vase.config import Config
 from vase.data.environments import load_sequence
 from vase.errors import CheckpointError, NumericalError, VaseError
-from vase.evaluation import ENCODER_DIR, HELD_OUT, FrozenEncoder, disentanglement_scores, encoder_path, factor_latents
+from vase.evaluation import (
+    ENCODER_DIR, FrozenEncoder, disentanglement_scores, encoder_path, factor_latents, held_out_images,
+)
 from vase.learner import Learner, StepOutput
 from vase.masking import atypicality, information
 from vase.objective import kl_per_latent, reconstruction_nll
@@ -102,7 +104,7 @@ class Trainer:
         self.learner = Learner(cfg)
         self.probes = ProbeSuite(self.test_envs, cfg.probe) if cfg.probe.enabled else None
         self.record = RunRecord.empty()
-        self.held_out = [env.batch(torch.arange(min(HELD_OUT, len(env)))) for env in self.test_envs]
+        self.held_out = [held_out_images(env) for env in self.test_envs]
         self.writer: SummaryWriter | None = None
         self.last_checkpoint: int | None = None
 

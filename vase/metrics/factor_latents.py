@@ -47,9 +47,3 @@ def strongest_latents(
         out[name] = [[int(i), round(float(r[i]), 3)] for i in order]
     return out
 
-
-def environment_factor_latents(env, mu, var) -> dict[str, list]:
-    """`strongest_latents` on an environment's first len(mu) images, from their posterior means
-    and variances."""
-    mu = np.asarray(mu)
-    return strongest_latents(mu, env.factor_matrix()[: len(mu)], env.factor_names(), np.asarray(var))
