@@ -63,7 +63,7 @@ def test_latent_use_reports_kl_mask_and_active_latents():
     assert f"1/{cfg.model.latents} latents used by some slot while it trained" in text
     assert "slot 0: used [0], masked [2]; active on its held-out images now: 1/" in text
     # Constant codes carry no linear signal: every |r| is 0, and ties keep the latents' order.
-    assert "strongest latents per factor (|r| of the mean): x z0 0.00, z1 0.00, z2 0.00" in text
+    assert "strongest latents per factor (|r| of the posterior sample): x z0 0.00, z1 0.00, z2 0.00" in text
 
 
 class ShiftedAndInformativeEncoder(torch.nn.Module):

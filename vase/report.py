@@ -53,7 +53,7 @@ def summary_text(results: dict, run_dir: Path) -> str:
                     f"{name} " + ", ".join(f"z{latent} {r:.2f}" for latent, r in pairs)
                     for name, pairs in row["factor_latents"].items()
                 )
-                lines.append(f"  {'':<18} strongest latents per factor (|r| of the mean): {strongest}")
+                lines.append(f"  {'':<18} strongest latents per factor (|r| of the posterior sample): {strongest}")
     probes = results.get("probes")
     if probes:
         from vase.metrics.continual import format_table1_row, table1_header

@@ -274,8 +274,8 @@ class Trainer:
         KL but tells the decoder nothing. So each row also has the information of each latent,
         mean KL minus the atypicality alpha (eq. 4), an estimate of I(x; z_n) (E_x KL(q(z_n|x) || p)
         = I(x; z_n) + KL(q(z_n) || p)), and the unmasked latents whose information is above used_kl.
-        Last, for each factor other than the class (x and y on the digits), the latents whose means
-        correlate most strongly with it (`vase.metrics.factor_latents`)."""
+        Last, for each factor other than the class (x and y on the digits), the latents whose
+        posterior samples correlate most strongly with it (`vase.metrics.factor_latents`)."""
         rows = []
         used_kl = self.cfg.inference.used_kl
         frozen = self.frozen_encoder.load(self.learner.model.encoder.state_dict())
