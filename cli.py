@@ -1,14 +1,15 @@
-"""The `vase` command line: train, evaluate, tabulate, benchmark, and manage data."""
+"""The `vase` command line: train, run the ablation grid, evaluate, tabulate, benchmark, and manage data."""
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import warnings
 from pathlib import Path
 
 import click
 
-from vase.config import build_config, load_run_config, preset_names
+from vase.config import build_config, load_run_config, option_overrides, preset_names
 from vase.errors import VaseError
 
 DEFAULT_SEQUENCE_HELP = "moving_shapes_a,shapes_b,moving_shapes_b (embedded sprites, no download)"
@@ -47,8 +48,8 @@ def _check_sequence(ctx, param, value):
 def main(ctx):
     """VASE: life-long disentangled representation learning (Achille et al., NeurIPS 2018).
 
-    Train over a sequence of environments, evaluate probes, gather runs into Table 1,
-    benchmark the step, manage data.
+    Train over a sequence of environments, run the ablation grid, evaluate probes,
+    gather runs into Table 1, benchmark the step, manage data.
     Run `vase COMMAND --help` for each command's options.
     """
     _show_warnings(ctx)
@@ -96,19 +97,7 @@ def train(preset, sequence, steps, ablation, entangled, seed, data_root, downloa
             if download:
                 cfg.data.download = True
         else:
-            sets = list(overrides)
-            if sequence:
-                sets.append(f"data.sequence={sequence}")
-            if steps:
-                sets.append(f"data.steps_per_env={steps}")
-            if entangled:
-                sets.append("objective.mode=entangled")
-            if seed is not None:
-                sets.append(f"train.seed={seed}")
-            if data_root:
-                sets.append(f"data.root={data_root}")
-            if download:
-                sets.append("data.download=true")
+            sets = list(overrides) + option_overrides(sequence, steps, entangled, seed, data_root, download)
             cfg = build_config(preset, sets, ablation)
             path = run_dir_for(cfg, run_dir)
         check_run_dir(path, resume=bool(resume_dir), overwrite=overwrite)
@@ -126,6 +115,10 @@ def train(preset, sequence, steps, ablation, entangled, seed, data_root, downloa
         click.echo("\ninterrupted" + (f"; resume with: vase train --resume {path}" if started else ""), err=True)
         sys.exit(130)
     click.echo(text)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 # Options that would be silently ignored by --resume (the run keeps its own config).
@@ -172,6 +165,83 @@ def table(run_dirs, as_json):
     except VaseError as e:
         _fail(e)
     click.echo(json.dumps(rows, indent=2) if as_json else table1_text(rows))
+
+
+@main.command()
+@click.option("--rows", default="all", show_default=True,
+              help="Table 1 rows, comma-separated (-, S, D, A, SA, DA, SD, SDA, SD-[41]), or 'all'.")
+@click.option("--modes", default="disentangled,entangled", show_default=True,
+              help="Objectives: disentangled (capacity, eq. 3), entangled (beta = 1), or both.")
+@click.option("--seeds", default="0-4", show_default=True, help="Training seeds, e.g. 0-4 or 0,2,7.")
+@click.option("--preset", type=click.Choice(preset_names()), default="cpu", show_default=True,
+              help="Network size, as for `vase train`.")
+@click.option("--sequence", callback=_check_sequence, default=None,
+              help="Comma-separated environments. Default: the paper's moving_fashion,mnist,moving_mnist.")
+@click.option("--steps", default=None, help="Steps per environment, as for `vase train`. Default: 1200.")
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.FIELD=VALUE",
+              help="Override a config field in every run (repeatable).")
+@click.option("--root", type=click.Path(file_okay=False), default="runs/grid", show_default=True,
+              help="One run directory per cell, <row>-<mode>-s<seed>, plus logs/ and table1.txt/json.")
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Torch threads per run (saved in each run's config as train.threads).")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Runs at a time on this machine. Default: CPU cores / --threads.")
+@click.option("--ray", "use_ray", is_flag=True, help="Run every cell as a Ray task (pip install -e \".[grid]\").")
+@click.option("--ray-address", default=None,
+              help="Ray cluster to join ('auto', or host:port). Default: a Ray instance on this machine.")
+@click.option("--data-root", type=click.Path(file_okay=False), default=None,
+              help="Data root (default: $VASE_DATA_ROOT or ./datasets).")
+@click.option("--download", is_flag=True, help="Download MNIST/Fashion-MNIST with torchvision if missing.")
+@click.option("--dry-run", is_flag=True, help="List the runs, their state and their `vase train` commands; train nothing.")
+@click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
+def grid(rows, modes, seeds, preset, sequence, steps, overrides, root, threads, workers, use_ray, ray_address,
+         data_root, download, dry_run, no_progress):
+    """Run the ablation grid (rows x modes x seeds of `vase train`) and print Table 1.
+
+    Runs go in parallel on this machine, or on a Ray cluster with --ray. Run the same command
+    again to resume: finished runs are kept and interrupted ones continue from their checkpoints.
+    """
+    import os
+
+    from vase.grid import (DONE, PAPER_SEQUENCE, GridSpec, parse_modes, parse_rows, parse_seeds, plan, run_grid,
+                           train_arguments)
+    from vase.grid_backends import LocalBackend, RayBackend
+
+    try:
+        spec = GridSpec(parse_rows(rows), parse_modes(modes), parse_seeds(seeds), Path(root), preset,
+                        sequence or PAPER_SEQUENCE, steps, tuple(overrides), threads, data_root, download)
+        for run in spec.runs():  # every cell's config is valid before anything starts
+            spec.config(run)
+        if (use_ray or ray_address) and workers is not None:
+            raise VaseError("--workers is for runs on this machine; with --ray each run holds --threads CPUs "
+                            "and Ray decides how many run at once")
+        if dry_run:
+            for run, status in plan(spec):
+                command = "kept" if status == DONE else "vase " + " ".join(train_arguments(spec, run, status))
+                click.echo(f"{status:6s} {run.name}: {command}")
+            return
+        if use_ray or ray_address:
+            backend = RayBackend(threads, ray_address)
+        else:
+            backend = LocalBackend(workers or max(1, (os.cpu_count() or 1) // threads))
+        previous = signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's SIGTERM stops the runs as Ctrl-C does
+        try:
+            report = run_grid(spec, backend, echo=click.echo, progress=not no_progress)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+    except VaseError as e:
+        _fail(e)
+    except KeyboardInterrupt:
+        click.echo("\ninterrupted; run the same command again to resume the grid", err=True)
+        sys.exit(130)
+    if report.table:
+        click.echo(report.table)
+        click.echo(f"Table 1 written to {Path(root) / 'table1.txt'} and table1.json")
+    if report.failed:
+        for name, why in report.failed:
+            click.echo(f"failed: {name}: {why}", err=True)
+        _fail(f"{len(report.failed)} of {len(report.planned)} runs failed; their logs are in {Path(root) / 'logs'}; "
+              "run the same command again to retry them")
 
 
 @main.group()

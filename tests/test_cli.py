@@ -81,7 +81,7 @@ def sprite_run(tmp_path_factory, sprite_data):
 def test_help_lists_every_command():
     result = invoke(["--help"])
     assert result.exit_code == 0
-    for command in ("train", "eval", "bench", "data"):
+    for command in ("train", "grid", "eval", "table", "bench", "data"):
         assert command in result.output
 
 
@@ -198,7 +198,7 @@ def test_train_on_the_digit_sequence(digit_root, tmp_path):
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
-@pytest.mark.parametrize("command", [[], ["train"], ["eval"], ["table"], ["data"], ["bench"]])
+@pytest.mark.parametrize("command", [[], ["train"], ["grid"], ["eval"], ["table"], ["data"], ["bench"]])
 def test_readme_shows_the_current_help(command):
     """The README's `vase ... --help` blocks are the CLI's own output (80 columns), kept true to the code."""
     shown = CliRunner().invoke(main, command + ["--help"], prog_name="vase", terminal_width=80).output

@@ -346,6 +346,26 @@ def build_config(preset: str = "cpu", overrides: list[str] | None = None, ablati
     return cfg.validate()
 
 
+def option_overrides(sequence: str | None = None, steps: str | None = None, entangled: bool = False,
+                     seed: int | None = None, data_root: str | None = None, download: bool = False) -> list[str]:
+    """The ``section.field=value`` overrides that `vase train`'s own options stand for (`vase grid`
+    builds each of its runs' configs from the same list)."""
+    sets = []
+    if sequence:
+        sets.append(f"data.sequence={sequence}")
+    if steps:
+        sets.append(f"data.steps_per_env={steps}")
+    if entangled:
+        sets.append("objective.mode=entangled")
+    if seed is not None:
+        sets.append(f"train.seed={seed}")
+    if data_root:
+        sets.append(f"data.root={data_root}")
+    if download:
+        sets.append("data.download=true")
+    return sets
+
+
 def load_run_config(run_dir: Path) -> Config:
     """The resolved config a run was started with (its config.json)."""
     path = Path(run_dir) / "config.json"

@@ -1,0 +1,366 @@
+"""`vase grid`: the ablation grid planned, run (locally and on Ray), resumed, and gathered into Table 1.
+
+The fast tests drive the planner and the backends with stand-in child programs; the slow ones train
+tiny real grids and compare every cell with the `vase train` run it stands for.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from cli import main
+from test_cli import TINY, invoke, tiny_args
+from test_reliability import KILLER, comparable, read_results
+from vase import grid as grid_module
+from vase.config import build_config
+from vase.errors import ConfigError, VaseError
+from vase.grid import (DONE, NEW, RESUME, TABLE1_ROWS, GridSpec, parse_modes, parse_rows, parse_seeds, plan,
+                       run_grid, train_arguments)
+from vase.grid_backends import Job, LocalBackend, Outcome, execute, pack_dir, receive, unpack_dir
+
+SEQUENCE = "moving_shapes_a,shapes_b"
+STEPS = "10"
+
+
+def tiny_spec(root: Path, data_root: Path, rows=("SDA", "-"), modes=("disentangled",), seeds=(0,)) -> GridSpec:
+    overrides = tuple(f"{k}={v}" for k, v in TINY.items() if k != "train.threads")
+    return GridSpec(tuple(rows), tuple(modes), tuple(seeds), root, "cpu", SEQUENCE, STEPS, overrides, 1, str(data_root))
+
+
+def grid_cli_args(root: Path, data_root: Path, rows: str = "SDA,-") -> list[str]:
+    args = ["grid", "--rows", rows, "--modes", "disentangled", "--seeds", "0", "--sequence", SEQUENCE, "--steps",
+            STEPS, "--root", str(root), "--data-root", str(data_root), "--no-progress"]
+    for key, value in TINY.items():
+        if key != "train.threads":
+            args += ["--set", f"{key}={value}"]
+    return args
+
+
+@pytest.fixture(scope="module")
+def sprite_data(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("sprite_data")
+
+
+# -- parsing the grid ------------------------------------------------------------------------------------
+def test_seed_lists_and_ranges():
+    assert parse_seeds("0-4") == (0, 1, 2, 3, 4)
+    assert parse_seeds("0-2,7") == (0, 1, 2, 7)
+    assert parse_seeds("3") == (3,)
+    for bad in ("a", "3-1", "1,1", "0-2,2", ""):
+        with pytest.raises(ConfigError):
+            parse_seeds(bad)
+
+
+def test_rows_are_checked_and_normalised():
+    assert parse_rows("all") == TABLE1_ROWS and len(TABLE1_ROWS) == 9
+    assert parse_rows("sda, -,SD-[41]") == ("SDA", "-", "SD-[41]")
+    for bad in ("SDX", "SDA,SDA", ","):
+        with pytest.raises(ConfigError):
+            parse_rows(bad)
+    assert parse_modes("entangled,disentangled") == ("entangled", "disentangled")
+    with pytest.raises(ConfigError):
+        parse_modes("beta")
+
+
+def test_every_cell_of_the_paper_grid_is_its_own_run_with_its_own_switches(tmp_path):
+    spec = GridSpec(TABLE1_ROWS, ("disentangled", "entangled"), (0, 1, 2, 3, 4), tmp_path)
+    runs = spec.runs()
+    assert len(runs) == 9 * 2 * 5 == len({r.run_dir for r in runs}) == len({r.log for r in runs})
+    for run in runs:
+        cfg = spec.config(run)
+        assert cfg.ablation() == run.row
+        assert cfg.objective.mode == run.mode and cfg.train.seed == run.seed and cfg.train.threads == 1
+        assert cfg.data.sequence == "moving_fashion,mnist,moving_mnist"
+        assert run.run_dir.parent == tmp_path.absolute() and "[" not in run.name
+
+
+def test_the_train_arguments_of_a_cell_build_exactly_its_config(tmp_path, monkeypatch):
+    """What the child `vase train` builds from the arguments is the config the planner compares with."""
+    captured = {}
+
+    class Capture:
+        def __init__(self, cfg, path, progress=True):
+            captured["cfg"] = cfg
+            raise VaseError("captured")
+
+    monkeypatch.setattr("vase.trainer.Trainer", Capture)
+    spec = replace(tiny_spec(tmp_path / "grid", tmp_path / "data", rows=TABLE1_ROWS, modes=("entangled",), seeds=(3,)),
+                   overrides=("mask.lambda_high=2.5",))
+    for run in spec.runs():
+        result = CliRunner().invoke(main, train_arguments(spec, run, NEW))
+        assert "captured" in result.output, result.output
+        assert captured.pop("cfg").to_dict() == spec.config(run).to_dict(), run.name
+
+
+# -- planning: new, resume, done, conflict ----------------------------------------------------------------
+def test_plan_tells_new_resumed_and_finished_runs_apart_and_refuses_foreign_ones(tmp_path):
+    spec = tiny_spec(tmp_path / "grid", tmp_path / "data", seeds=(0, 1, 2))
+    runs = {r.name: r for r in spec.runs()}
+    partial, finished, empty = runs["SDA-disentangled-s0"], runs["SDA-disentangled-s1"], runs["none-disentangled-s0"]
+    for run in (partial, finished):
+        run.run_dir.mkdir(parents=True)
+        # Where the data lives is not what is trained: another data root is the same run.
+        (run.run_dir / "config.json").write_text(build_config("cpu", spec.settings(run) + ["data.root=/elsewhere"],
+                                                              run.row).to_json())
+    (finished.run_dir / "results.json").write_text("{}")
+    empty.run_dir.mkdir()
+    status = {run.name: s for run, s in plan(spec)}
+    assert status[partial.name] == RESUME and status[finished.name] == DONE and status[empty.name] == NEW
+    assert sum(s == NEW for s in status.values()) == 4
+    assert train_arguments(spec, partial, RESUME)[:3] == ["train", "--resume", str(partial.run_dir)]
+
+    other = replace(spec, steps="15")  # the same folders, other settings: refused, naming the difference
+    with pytest.raises(VaseError, match=r"other settings \(data.steps_per_env: '10' -> '15'\)"):
+        plan(other)
+    stray = runs["none-disentangled-s2"].run_dir
+    stray.mkdir()
+    (stray / "notes.txt").write_text("mine")
+    with pytest.raises(VaseError, match="not a vase run"):
+        plan(spec)
+    assert (stray / "notes.txt").read_text() == "mine"
+
+
+# -- the backends with stand-in children ------------------------------------------------------------------
+# A stand-in for `python -m cli`: exits with the code given as its last argument, after one line of output.
+STAND_IN = [sys.executable, "-c", "import sys; print('child', *sys.argv[1:]); sys.exit(int(sys.argv[-1]))"]
+
+
+def test_local_backend_reports_each_run_and_keeps_going_after_a_failure(tmp_path):
+    jobs = [Job(f"j{i}", ["train", str(code)], str(tmp_path / f"r{i}"), str(tmp_path / "logs" / f"j{i}.log"))
+            for i, code in enumerate([0, 3, 0])]
+    seen = {}
+    LocalBackend(2, command=STAND_IN).run(jobs, lambda job, outcome: seen.setdefault(job.name, outcome))
+    assert set(seen) == {"j0", "j1", "j2"}
+    assert [seen[n].ok for n in ("j0", "j1", "j2")] == [True, False, True]
+    assert seen["j1"].returncode == 3 and "child train 3" in seen["j1"].log_tail
+    assert (tmp_path / "logs" / "j1.log").read_text().startswith("$ vase train 3")
+    assert seen["j0"].files is None  # same machine: nothing to send back
+
+
+def test_a_run_on_another_machine_travels_back_to_the_driver(tmp_path):
+    """What a Ray task on another node returns lands where the driver's grid expects the run."""
+    node, driver = tmp_path / "node", tmp_path / "driver"
+    (node / "run" / "checkpoints").mkdir(parents=True)
+    (node / "run" / "checkpoints" / "latest.pt").write_bytes(os.urandom(1000))
+    (node / "run" / "results.json").write_text('{"seed": 0}')
+    job = Job("run", ["train", "0"], str(node / "run"), str(node / "run.log"))
+    outcome = execute(job, driver_host="another-machine", command=STAND_IN)
+    assert outcome.ok and outcome.files is not None and outcome.log is not None
+
+    at_driver = Job("run", job.arguments, str(driver / "run"), str(driver / "logs" / "run.log"))
+    (driver / "run").mkdir(parents=True)
+    (driver / "run" / "stale.txt").write_text("from an earlier attempt")
+    receive(at_driver, outcome)
+    for name in ("checkpoints/latest.pt", "results.json"):
+        assert (driver / "run" / name).read_bytes() == (node / "run" / name).read_bytes()
+    assert not (driver / "run" / "stale.txt").exists()
+    assert (driver / "logs" / "run.log").read_bytes() == (node / "run.log").read_bytes()
+
+
+def test_a_resumed_run_is_unpacked_on_a_node_that_lacks_it(tmp_path):
+    source = tmp_path / "driver" / "run"
+    (source / "checkpoints").mkdir(parents=True)
+    (source / "config.json").write_text("{}")
+    (source / "checkpoints" / "latest.pt").write_bytes(b"weights")
+    job = Job("run", ["train", "0"], str(tmp_path / "node" / "run"), str(tmp_path / "node" / "run.log"),
+              files=pack_dir(source))
+    assert execute(job, driver_host="another-machine", command=STAND_IN).ok
+    assert (tmp_path / "node" / "run" / "checkpoints" / "latest.pt").read_bytes() == b"weights"
+
+
+def test_unpack_refuses_paths_outside_the_run(tmp_path):
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        info = tarfile.TarInfo("../escaped.txt")
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"x"))
+    with pytest.raises(tarfile.TarError):
+        unpack_dir(buf.getvalue(), tmp_path / "run")
+    assert not (tmp_path / "escaped.txt").exists()
+
+
+# -- the driver with a stand-in backend -------------------------------------------------------------------
+class FakeTraining:
+    """Writes what a finished (or failed) `vase train` leaves behind, without training."""
+
+    def __init__(self, spec: GridSpec, fail: set[str]):
+        self.spec, self.fail, self.ran = spec, fail, []
+
+    def run(self, jobs, on_done):
+        runs = {r.name: r for r in self.spec.runs()}
+        for job in jobs:
+            self.ran.append(job.name)
+            run = runs[job.name]
+            run.run_dir.mkdir(parents=True, exist_ok=True)
+            (run.run_dir / "config.json").write_text(self.spec.config(run).to_json())
+            if job.name in self.fail:
+                on_done(job, Outcome(1, 0.1, "here", "Error: something broke"))
+                continue
+            table1 = {"object_id_max": 0.5 + run.seed / 100, "object_id_change": -0.01, "position_min": 0.004,
+                      "position_change": 0.0002}
+            results = {"mode": run.mode, "ablation": run.row, "sequence": SEQUENCE.split(","), "seed": run.seed,
+                       "environments_inferred": 2, "probes": {"table1": table1},
+                       "latent_use": [{"used_in_training": [0, 1], "informative": [0]}]}
+            (run.run_dir / "results.json").write_text(json.dumps(results))
+            on_done(job, Outcome(0, 0.1, "here"))
+
+
+def test_the_driver_reports_failures_writes_the_table_and_reruns_only_what_is_missing(tmp_path, sprite_data):
+    spec = tiny_spec(tmp_path / "grid", sprite_data, seeds=(0, 1))
+    first = FakeTraining(spec, fail={"none-disentangled-s1"})
+    lines = []
+    report = run_grid(spec, first, echo=lines.append, progress=False)
+    assert sorted(first.ran) == sorted(r.name for r in spec.runs())
+    assert [name for name, _ in report.failed] == ["none-disentangled-s1"]
+    assert "something broke" in report.failed[0][1] and any(line.startswith("FAILED none-") for line in lines)
+    table = json.loads((tmp_path / "grid" / "table1.json").read_text())
+    seeds = {row["ablation"]: row["seeds"] for row in table["rows"]}
+    assert seeds == {"SDA": [0, 1], "-": [0]}
+    assert report.table == (tmp_path / "grid" / "table1.txt").read_text().rstrip("\n")
+
+    second = FakeTraining(spec, fail=set())
+    report = run_grid(spec, second, echo=lines.append, progress=False)
+    assert second.ran == ["none-disentangled-s1"] and not report.failed
+    assert any("4 runs under" in x and "3 finished, 1 to resume, 0 to start" in x for x in lines)
+    assert {row["ablation"]: row["seeds"] for row in json.loads((tmp_path / "grid" / "table1.json").read_text())["rows"]} \
+        == {"SDA": [0, 1], "-": [0, 1]}
+
+
+def test_grid_refuses_bad_input_in_one_line(tmp_path):
+    for extra, phrase in ((["--seeds", "4-2"], "bad seed list"), (["--rows", "SDA,SDX"], "unknown ablation"),
+                          (["--modes", "beta"], "bad mode list"), (["--set", "train.batch_size=0"], "must be positive"),
+                          (["--ray", "--workers", "2"], "--workers is for runs on this machine")):
+        result = CliRunner().invoke(main, ["grid", "--root", str(tmp_path / "g"), "--dry-run", *extra])
+        assert result.exit_code != 0 and "Traceback" not in result.output
+        assert phrase in result.output, result.output
+    assert not (tmp_path / "g").exists()
+
+
+def test_dry_run_lists_each_cell_and_its_command(tmp_path):
+    result = CliRunner().invoke(main, ["grid", "--rows", "SD-[41],-", "--seeds", "0-1", "--modes", "entangled",
+                                       "--root", str(tmp_path / "g"), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert len(lines) == 4 and all(line.startswith("new") for line in lines)
+    assert "SD-41-entangled-s1: vase train --preset cpu --ablation=SD-[41]" in result.output
+    assert "--set objective.mode=entangled" in result.output and not (tmp_path / "g").exists()
+
+
+# -- real tiny grids (slow) -------------------------------------------------------------------------------
+def straight_run(tmp_path: Path, data_root: Path, row: str, seed: int = 0) -> dict:
+    """The same cell, trained by a plain `vase train` in this process."""
+    run = tmp_path / f"straight-{grid_module.row_slug(row)}"
+    result = invoke(tiny_args(run, data_root, steps=int(STEPS)) + ["--sequence", SEQUENCE, f"--ablation={row}",
+                                                                   "--seed", str(seed)])
+    assert result.exit_code == 0, result.output
+    return read_results(run)
+
+
+@pytest.mark.slow
+def test_a_grid_trains_each_cell_as_vase_train_would_and_keeps_finished_runs(tmp_path, sprite_data):
+    root = tmp_path / "grid"
+    result = invoke(grid_cli_args(root, sprite_data) + ["--workers", "2"])
+    assert result.exit_code == 0, result.output
+    assert "0 finished, 0 to resume, 2 to start" in result.output
+    assert "done   SDA-disentangled-s0" in result.output and "done   none-disentangled-s0" in result.output
+    for row in ("SDA", "-"):
+        cell = root / f"{grid_module.row_slug(row)}-disentangled-s0"
+        assert comparable(read_results(cell)) == comparable(straight_run(tmp_path, sprite_data, row))
+    table = (root / "table1.txt").read_text()
+    assert table.rstrip("\n") in result.output and "  SDA " in table and "  -   " in table
+
+    stamp = (root / "SDA-disentangled-s0" / "results.json").stat().st_mtime_ns
+    again = invoke(grid_cli_args(root, sprite_data))
+    assert again.exit_code == 0 and "2 finished, 0 to resume, 0 to start" in again.output
+    assert (root / "SDA-disentangled-s0" / "results.json").stat().st_mtime_ns == stamp
+    assert table.rstrip("\n") in again.output
+
+
+@pytest.mark.slow
+def test_a_killed_grid_resumes_its_runs_exactly(tmp_path, sprite_data, monkeypatch):
+    spec = tiny_spec(tmp_path / "grid", sprite_data, rows=("SDA",))
+    monkeypatch.setenv("VASE_TEST_KILL", "step:13")  # the child SIGKILLs itself 3 steps after its step-10 checkpoint
+    report = run_grid(spec, LocalBackend(1, command=[sys.executable, "-c", KILLER]), echo=lambda s: None, progress=False)
+    assert [name for name, _ in report.failed] == ["SDA-disentangled-s0"] and report.table is None
+    assert f"exit code {-signal.SIGKILL}" in report.failed[0][1]
+    monkeypatch.delenv("VASE_TEST_KILL")
+    assert [status for _, status in plan(spec)] == [RESUME]
+
+    report = run_grid(spec, LocalBackend(1), echo=lambda s: None, progress=False)
+    assert report.finished == ["SDA-disentangled-s0"] and not report.failed
+    log = (tmp_path / "grid" / "logs" / "SDA-disentangled-s0.log").read_text()
+    assert "vase train --resume" in log
+    assert comparable(read_results(spec.runs()[0].run_dir)) == comparable(straight_run(tmp_path, sprite_data, "SDA"))
+
+
+@pytest.mark.slow
+def test_a_grid_on_ray_gives_the_same_runs(tmp_path, sprite_data):
+    pytest.importorskip("ray")
+    root = tmp_path / "grid"
+    result = invoke(grid_cli_args(root, sprite_data, rows="SDA") + ["--ray"])
+    assert result.exit_code == 0, result.output
+    assert comparable(read_results(root / "SDA-disentangled-s0")) == comparable(straight_run(tmp_path, sprite_data, "SDA"))
+
+
+def grid_children(root: Path) -> list[int]:
+    """Pids of the `vase train` processes working under `root`."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if " train " in cmdline and str(root) in cmdline:
+            pids.append(int(proc.name))
+    return pids
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_sigterm_stops_every_run_of_the_grid_and_the_next_call_resumes_them(tmp_path, sprite_data):
+    import subprocess
+    import time
+
+    root = tmp_path / "grid"
+    args = grid_cli_args(root, sprite_data)
+    args[args.index("--steps") + 1] = "400"  # long enough to be stopped mid-run
+    grid = subprocess.Popen([sys.executable, "-m", "cli", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    checkpoints = [root / name / "checkpoints" / "latest.json" for name in ("SDA-disentangled-s0", "none-disentangled-s0")]
+    deadline = time.monotonic() + 240
+    while not all(c.is_file() for c in checkpoints):
+        assert grid.poll() is None and time.monotonic() < deadline, grid.stdout.read() if grid.poll() is not None else ""
+        time.sleep(0.5)
+    assert len(grid_children(root)) == 2
+    grid.send_signal(signal.SIGTERM)
+    out, _ = grid.communicate(timeout=120)
+    assert grid.returncode == 130, out
+    assert "run the same command again to resume the grid" in out and "Traceback" not in out
+    assert grid_children(root) == []  # no run is left training behind the grid's back
+    for name in ("SDA-disentangled-s0", "none-disentangled-s0"):
+        assert "interrupted; resume with: vase train --resume" in (root / "logs" / f"{name}.log").read_text()
+    dry = invoke(args + ["--dry-run"])
+    assert [line.split()[0] for line in dry.output.splitlines()] == ["resume", "resume"], dry.output
+
+
+def test_failed_runs_make_the_grid_exit_with_one_error_line_naming_their_logs(tmp_path, sprite_data, monkeypatch):
+    failing = [sys.executable, "-c", "import sys; print('Error: this run broke'); sys.exit(1)"]
+    monkeypatch.setattr("vase.grid_backends.child_command", lambda: failing)
+    root = tmp_path / "grid"
+    result = CliRunner().invoke(main, grid_cli_args(root, sprite_data))
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.output.count("failed: ") == 2 and "Error: this run broke" in result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:") and "runs failed" in line]
+    assert errors == [f"Error: 2 of 2 runs failed; their logs are in {root / 'logs'}; run the same command again to "
+                      "retry them"]
+    assert not (root / "table1.txt").exists()

@@ -1,0 +1,274 @@
+"""The ablation grid of Table 1: rows x objective modes x seeds of `vase train`, gathered into the table.
+
+Each run of the grid is an ordinary `vase train` run in its own directory under the grid's root,
+named `<row>-<mode>-s<seed>` (`-` is written `none`, `SD-[41]` is written `SD-41`). So a grid can
+be stopped at any moment and started again with the same command: finished runs (those with a
+results.json) are kept, interrupted ones continue from their last checkpoint with `--resume`, and
+a directory that holds a run of a *different* configuration is refused before anything starts.
+
+How the runs are executed is the business of `vase.grid_backends` (child processes here, or Ray
+tasks on a cluster); this module plans the runs and builds Table 1 from them (`vase.report`).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from vase.checkpoint import write_atomic
+from vase.config import CONFIG_VERSION, Config, build_config, load_run_config, option_overrides
+from vase.errors import ConfigError, VaseError
+
+# The rows of the paper's Table 1, in its order.
+TABLE1_ROWS = ("-", "S", "D", "A", "SA", "DA", "SD", "SDA", "SD-[41]")
+MODES = ("disentangled", "entangled")
+# The sequence of the paper's Table 1 (§4): moving Fashion -> MNIST -> moving MNIST.
+PAPER_SEQUENCE = "moving_fashion,mnist,moving_mnist"
+# Settings that say where this machine keeps things, not what is trained: a grid may be resumed
+# with another data root (or on another machine) without counting as a different run.
+WHERE_NOT_WHAT = {"data.root", "data.download", "train.progress"}
+
+
+def parse_seeds(text: str) -> tuple[int, ...]:
+    """'0-4' -> (0, 1, 2, 3, 4); '0,2,7' -> (0, 2, 7); both forms can be mixed ('0-2,5')."""
+    seeds: list[int] = []
+    for part in (p.strip() for p in str(text).split(",")):
+        try:
+            if "-" in part[1:]:
+                lo, hi = (int(v) for v in part.split("-", 1))
+                if hi < lo:
+                    raise ValueError
+                seeds.extend(range(lo, hi + 1))
+            else:
+                seeds.append(int(part))
+        except ValueError:
+            raise ConfigError(f"bad seed list {text!r}: use numbers and ranges, e.g. 0-4 or 0,2,7") from None
+    if len(set(seeds)) != len(seeds):
+        raise ConfigError(f"seed list {text!r} names a seed twice")
+    return tuple(seeds)
+
+
+def parse_rows(text: str) -> tuple[str, ...]:
+    """'SDA,-' -> ('SDA', '-'); 'all' -> every row of Table 1. Each row is checked and normalised."""
+    if text.strip().lower() == "all":
+        return TABLE1_ROWS
+    rows = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        cfg = Config()
+        cfg.set_ablation(part)  # raises a ConfigError naming the valid rows
+        rows.append(cfg.ablation())
+    if not rows:
+        raise ConfigError("no Table 1 rows given: use e.g. SDA,- or all")
+    if len(set(rows)) != len(rows):
+        raise ConfigError(f"row list {text!r} names a row twice")
+    return tuple(rows)
+
+
+def parse_modes(text: str) -> tuple[str, ...]:
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    unknown = [m for m in modes if m not in MODES]
+    if not modes or unknown or len(set(modes)) != len(modes):
+        raise ConfigError(f"bad mode list {text!r}: use disentangled, entangled or both (comma-separated)")
+    return modes
+
+
+def row_slug(row: str) -> str:
+    """A Table 1 row as a directory name part: '-' -> 'none', 'SD-[41]' -> 'SD-41'."""
+    return "none" if row == "-" else row.replace("[", "").replace("]", "")
+
+
+@dataclass(frozen=True)
+class GridRun:
+    """One cell of the grid: a Table 1 row, an objective mode and a seed."""
+
+    row: str
+    mode: str
+    seed: int
+    root: Path
+
+    @property
+    def name(self) -> str:
+        return f"{row_slug(self.row)}-{self.mode}-s{self.seed}"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.root / self.name
+
+    @property
+    def log(self) -> Path:
+        """The run's console output (outside its directory, which `vase train` must find empty)."""
+        return self.root / "logs" / f"{self.name}.log"
+
+
+@dataclass(frozen=True)
+class GridSpec:
+    """What a grid trains: the same `vase train` settings for every cell, varied by row, mode and seed."""
+
+    rows: tuple[str, ...]
+    modes: tuple[str, ...]
+    seeds: tuple[int, ...]
+    root: Path
+    preset: str = "cpu"
+    sequence: str = PAPER_SEQUENCE
+    steps: str | None = None
+    overrides: tuple[str, ...] = ()
+    threads: int = 1  # torch threads per run (recorded as train.threads: it changes float sums)
+    data_root: str | None = None
+    download: bool = False
+
+    def runs(self) -> list[GridRun]:
+        root = Path(self.root).absolute()  # Ray tasks run in another working directory
+        return [GridRun(row, mode, seed, root) for mode in self.modes for row in self.rows for seed in self.seeds]
+
+    def settings(self, run: GridRun) -> list[str]:
+        """The overrides that make `run`'s config, exactly as `vase train` would build them."""
+        data_root = str(Path(self.data_root).absolute()) if self.data_root else None
+        return [*self.overrides, f"train.threads={self.threads}",
+                *option_overrides(self.sequence, self.steps, run.mode == "entangled", run.seed, data_root, self.download)]
+
+    def config(self, run: GridRun) -> Config:
+        return build_config(self.preset, self.settings(run), run.row)
+
+    def to_dict(self) -> dict:
+        return {"rows": list(self.rows), "modes": list(self.modes), "seeds": list(self.seeds), "preset": self.preset,
+                "sequence": self.sequence, "steps": self.steps, "overrides": list(self.overrides),
+                "threads": self.threads}
+
+
+# -- what each run needs ----------------------------------------------------------------------------
+NEW, RESUME, DONE = "new", "resume", "done"
+
+
+def config_differences(saved: Config, wanted: Config) -> list[str]:
+    """'section.field: saved -> wanted' for every setting that differs (where things live excepted)."""
+    a, b = saved.to_dict(), wanted.to_dict()
+    out = []
+    for section in sorted(set(a) | set(b)):
+        sa, sb = a.get(section), b.get(section)
+        if isinstance(sa, dict) and isinstance(sb, dict):
+            for key in sorted(set(sa) | set(sb)):
+                if f"{section}.{key}" not in WHERE_NOT_WHAT and sa.get(key) != sb.get(key):
+                    out.append(f"{section}.{key}: {sa.get(key)!r} -> {sb.get(key)!r}")
+        elif sa != sb:
+            out.append(f"{section}: {sa!r} -> {sb!r}")
+    return out
+
+
+def run_status(spec: GridSpec, run: GridRun) -> str:
+    """NEW, RESUME or DONE; a VaseError if the directory holds something else than this run."""
+    path = run.run_dir
+    if not path.exists() or (path.is_dir() and not any(path.iterdir())):
+        return NEW
+    if not (path / "config.json").is_file():
+        raise VaseError(f"{path} exists but is not a vase run (no config.json)")
+    try:
+        saved = load_run_config(path)
+    except ConfigError as e:
+        raise VaseError(f"{path}: {e}") from None
+    diff = config_differences(saved, spec.config(run))
+    if diff:
+        shown = "; ".join(diff[:3]) + (f"; and {len(diff) - 3} more" if len(diff) > 3 else "")
+        raise VaseError(f"{path} holds a run with other settings ({shown})")
+    return DONE if (path / "results.json").is_file() else RESUME
+
+
+def plan(spec: GridSpec) -> list[tuple[GridRun, str]]:
+    """Every run with its status. All conflicts are reported at once, before anything starts."""
+    planned, conflicts = [], []
+    for run in spec.runs():
+        try:
+            planned.append((run, run_status(spec, run)))
+        except VaseError as e:
+            conflicts.append(str(e))
+    if conflicts:
+        raise VaseError("the grid's root already holds runs that this grid would not make; use another "
+                        "--root or move them away. " + " | ".join(conflicts[:5])
+                        + (f" | and {len(conflicts) - 5} more" if len(conflicts) > 5 else ""))
+    return planned
+
+
+def train_arguments(spec: GridSpec, run: GridRun, status: str) -> list[str]:
+    """The `vase train` arguments that make (or continue) `run`."""
+    if status == RESUME:
+        args = ["train", "--resume", str(run.run_dir), "--no-progress"]
+        if spec.data_root:
+            args += ["--data-root", str(Path(spec.data_root).absolute())]
+        return args
+    args = ["train", "--preset", spec.preset, f"--ablation={run.row}", "--run-dir", str(run.run_dir), "--no-progress"]
+    for setting in spec.settings(run):
+        args += ["--set", setting]
+    return args
+
+
+def prepare_data(spec: GridSpec, progress: bool = True) -> None:
+    """Load (download, render and cache) the sequence once before the runs start, so that a missing
+    file fails the grid at once and parallel runs do not render or download the same data side by side."""
+    from vase.data.environments import load_sequence
+
+    cfg = spec.config(spec.runs()[0]).data
+    for split in ("train", "test"):
+        load_sequence(cfg, split, progress=progress)
+
+
+# -- the table ---------------------------------------------------------------------------------------
+def write_table(spec: GridSpec, runs: list[GridRun]) -> str | None:
+    """Table 1 of the finished runs, written to <root>/table1.txt and table1.json; None if none finished."""
+    from vase.report import load_results, table1_rows, table1_text
+
+    finished = [r.run_dir for r in runs if (r.run_dir / "results.json").is_file()]
+    if not finished:
+        return None
+    rows = table1_rows(load_results(finished))
+    text = table1_text(rows)
+    root = Path(spec.root)
+    write_atomic(root / "table1.txt", (text + "\n").encode())
+    write_atomic(root / "table1.json", json.dumps({"grid": spec.to_dict(), "config_version": CONFIG_VERSION,
+                                                   "runs": [str(p.name) for p in finished], "rows": rows},
+                                                  indent=2).encode())
+    return text
+
+
+# -- the driver --------------------------------------------------------------------------------------
+@dataclass
+class GridReport:
+    planned: list[tuple[GridRun, str]]  # every run and its status before this invocation
+    finished: list[str]  # names of runs that ended well in this invocation
+    failed: list[tuple[str, str]]  # (name, why, with the log's last lines)
+    table: str | None
+
+
+def run_grid(spec: GridSpec, backend, echo=print, progress: bool = True) -> GridReport:
+    """Train every run of the grid that is not finished yet, then write and return Table 1."""
+    from tqdm.auto import tqdm
+
+    from vase.grid_backends import Job
+
+    planned = plan(spec)
+    todo = [(run, status) for run, status in planned if status != DONE]
+    counts = {s: sum(1 for _, st in planned if st == s) for s in (NEW, RESUME, DONE)}
+    echo(f"vase grid: {len(planned)} runs under {spec.root}: {counts[DONE]} finished, {counts[RESUME]} to resume, "
+         f"{counts[NEW]} to start")
+    finished: list[str] = []
+    failed: list[tuple[str, str]] = []
+    if todo:
+        prepare_data(spec, progress=progress)
+        jobs = [Job(run.name, train_arguments(spec, run, status), str(run.run_dir), str(run.log)) for run, status in todo]
+        bar = tqdm(total=len(jobs), desc="vase grid", unit="run", disable=not progress)
+
+        def on_done(job, outcome) -> None:
+            minutes, seconds = divmod(int(outcome.seconds), 60)
+            if outcome.ok:
+                finished.append(job.name)
+                line = f"done   {job.name} in {minutes}m{seconds:02d}s on {outcome.host}"
+            else:
+                why = outcome.error or f"exit code {outcome.returncode}; log {job.log}"
+                failed.append((job.name, why + ("\n" + outcome.log_tail if outcome.log_tail else "")))
+                line = f"FAILED {job.name}: {why}"
+            bar.write(line) if progress else echo(line)
+            bar.update(1)
+
+        try:
+            backend.run(jobs, on_done)
+        finally:
+            bar.close()
+    return GridReport(planned, finished, failed, write_table(spec, [run for run, _ in planned]))
