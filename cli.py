@@ -223,7 +223,8 @@ def grid(rows, modes, seeds, preset, sequence, steps, overrides, root, threads, 
         if use_ray or ray_address:
             backend = RayBackend(threads, ray_address)
         else:
-            backend = LocalBackend(workers or max(1, (os.cpu_count() or 1) // threads))
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            backend = LocalBackend(workers or max(1, cores // threads))
         previous = signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's SIGTERM stops the runs as Ctrl-C does
         try:
             report = run_grid(spec, backend, echo=click.echo, progress=not no_progress)

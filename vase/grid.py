@@ -246,7 +246,7 @@ def run_grid(spec: GridSpec, backend, echo=print, progress: bool = True) -> Grid
     planned = plan(spec)
     todo = [(run, status) for run, status in planned if status != DONE]
     counts = {s: sum(1 for _, st in planned if st == s) for s in (NEW, RESUME, DONE)}
-    echo(f"vase grid: {len(planned)} runs under {spec.root}: {counts[DONE]} finished, {counts[RESUME]} to resume, "
+    echo(f"vase grid: {len(planned)} run{'' if len(planned) == 1 else 's'} under {spec.root}: {counts[DONE]} finished, {counts[RESUME]} to resume, "
          f"{counts[NEW]} to start")
     finished: list[str] = []
     failed: list[tuple[str, str]] = []
