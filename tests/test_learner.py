@@ -84,6 +84,27 @@ def test_masked_latents_get_no_gradient_in_the_step(aggregate_weight):
     del mask, post
 
 
+@pytest.mark.parametrize("ablation", ["A", "SA"])
+def test_a_masked_latent_whose_variance_overflows_leaves_the_step_finite(ablation):
+    """The "A" row on moving MNIST masked every latent; the masked outputs drifted until exp(log
+    sigma^2) overflowed at step 4,053 and the run stopped on a NaN KL. Masked latents are the prior
+    (eq. 2): their values must reach neither the loss, nor the gradients, nor the usage record."""
+    lrn = learner(ablation, ["mask.lambda_high=1e9"])  # nothing gets masked by the step itself
+    x = squares(16, torch.Generator().manual_seed(0), 0)
+    lrn.training_step(x)
+    used_before = float(lrn.inference.usage[0, 1])
+    lrn.masks.masks[0] = torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+    head, n = lrn.model.encoder.head, lrn.cfg.model.latents
+    with torch.no_grad():
+        head.bias[n + 1].fill_(200.0)  # latent 1's log sigma^2: exp overflows in float32
+    assert torch.isinf(lrn.model.encoder(x).logvar[:, 1].exp()).all()
+    out = lrn.training_step(x)  # raised NumericalError ("loss term 'kl' is nan") before the fix
+    assert all(torch.isfinite(torch.tensor(v)) for v in out.losses.values())
+    assert all(torch.isfinite(p.grad).all() for p in lrn.model.parameters() if p.grad is not None)
+    # The masked latent's usage only decays (this batch adds 0 for it): no inf or NaN gets in.
+    assert torch.isfinite(lrn.inference.usage).all() and float(lrn.inference.usage[0, 1]) <= used_before
+
+
 @pytest.mark.parametrize("ablation", ["SDA", "A"])
 def test_usage_records_information_not_kl(ablation):
     """Latent usage (eq. 5-6 bookkeeping) counts information: a latent whose mean is shifted by the

@@ -86,3 +86,26 @@ def test_masked_latents_get_prior_noise_no_kl_and_no_gradient():
     (z.sum() + kl.sum()).backward()
     assert torch.all(mu.grad[:, [1, 3]] == 0) and torch.all(logvar.grad[:, [1, 3]] == 0)
     assert torch.all(mu.grad[:, [0, 2]] != 0)
+
+
+def test_a_masked_latent_that_drifted_to_overflow_adds_nothing_and_poisons_nothing():
+    """Masked latents get no gradient, so their encoder outputs can drift until exp(log sigma^2)
+    overflows (seen in the "A" row: log sigma^2 of 90 at step 4,053). The KL, the aggregate penalty
+    and their gradients must stay those of the unmasked latents, not inf * 0 = NaN."""
+    from vase.masking import atypicality
+    from vase.objective import prior_where_masked
+
+    torch.manual_seed(0)
+    mu = torch.randn(8, 4, requires_grad=True)
+    base = torch.randn(8, 4)
+    logvar = (base + torch.tensor([0.0, 100.0, 0.0, 0.0])).requires_grad_()  # latent 1: exp overflows
+    assert torch.isinf(logvar[:, 1].exp()).all()
+    mask = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    kl = masked_kl(mu, logvar, mask)
+    assert torch.isfinite(kl).all()
+    assert torch.allclose(kl, kl_per_latent(mu[:, [0, 2, 3]], logvar[:, [0, 2, 3]]).sum(1))
+    alpha = atypicality(*prior_where_masked(mu, logvar, mask))
+    assert alpha[1] == 0 and torch.allclose(alpha[[0, 2, 3]], atypicality(mu, logvar)[[0, 2, 3]])
+    (kl.sum() + alpha.sum()).backward()
+    assert torch.isfinite(mu.grad).all() and torch.isfinite(logvar.grad).all()
+    assert torch.all(mu.grad[:, 1] == 0) and torch.all(logvar.grad[:, 1] == 0)

@@ -19,7 +19,8 @@ from vase.errors import NumericalError
 from vase.inference import Decision, EnvironmentInference
 from vase.masking import LatentMasks, atypicality, information
 from vase.networks import VAE, EnvironmentClassifier, Posterior
-from vase.objective import capacity, kl_per_latent, masked_kl, masked_sample, mdl_loss, reconstruction_nll
+from vase.objective import (capacity, kl_per_latent, masked_kl, masked_sample, mdl_loss, prior_where_masked,
+                            reconstruction_nll)
 
 
 # The fused Adam kernel updates all ~2M parameters of the paper preset in one pass: ~2.4 ms per step
@@ -125,7 +126,8 @@ class Learner:
 
         # MDL on current data (eq. 3) with the masked posterior (eq. 2).
         kl = masked_kl(real.mu, real.logvar, mask)
-        atypical = (atypicality(real.mu, real.logvar) * mask).sum() if cfg.objective.aggregate_weight else None
+        atypical = atypicality(*prior_where_masked(real.mu, real.logvar, mask)).sum() if cfg.objective.aggregate_weight \
+            else None
         loss_mdl = mdl_loss(recon, kl, t, cfg.objective, atypical)
         losses = {"reconstruction": recon.mean(), "kl": kl.mean(), "mdl": loss_mdl}
         loss = loss_mdl
@@ -150,7 +152,7 @@ class Learner:
         # Bookkeeping of eq. 5 and eq. 6 for the environment just trained (not on a doubtful batch).
         if decision.verdict != "pending":
             # Masked latents are prior noise (eq. 2): they carry nothing for this environment.
-            self.inference.record(s, float(recon.detach().mean()), info_batch * mask)
+            self.inference.record(s, float(recon.detach().mean()), torch.where(mask.bool(), info_batch, 0.0))
             if cfg.mask.enabled and not torch.equal(self.masks.update(s, alpha, maskable), mask):
                 self.inference.resettle(s, t)  # L_s was measured under the old mask
         if cfg.dream.enabled and (t + 1) % cfg.dream.snapshot_every == 0:

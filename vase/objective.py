@@ -20,19 +20,31 @@ def kl_per_latent(mu: torch.Tensor, logvar: torch.Tensor) -> torch.Tensor:
     return 0.5 * (mu.pow(2) + logvar.exp() - 1.0 - logvar)
 
 
+def prior_where_masked(mu: torch.Tensor, logvar: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The posterior parameters of eq. 2: where mask = 0 the latent is the prior, mu = 0, log sigma^2 = 0.
+
+    Select before computing anything from them. A masked latent gets no gradient, so its encoder
+    output can drift far (log sigma^2 of 90 was seen when every latent was masked, in the "A" row on
+    moving MNIST); exp then overflows, and inf * 0 is NaN in the loss and in its gradient.
+    """
+    keep = mask.bool()
+    return torch.where(keep, mu, 0.0), torch.where(keep, logvar, 0.0)
+
+
 def masked_kl(mu: torch.Tensor, logvar: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """KL of the masked posterior (eq. 2) per example (B,): masked latents equal the prior, so add 0."""
-    return (kl_per_latent(mu, logvar) * mask).sum(1)
+    return kl_per_latent(*prior_where_masked(mu, logvar, mask)).sum(1)
 
 
 def masked_sample(mu: torch.Tensor, logvar: torch.Tensor, mask: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """Reparameterised sample of eq. 2.
 
-    Where mask = 1, z = mu + sigma * eps; where mask = 0, z = eps ~ N(0, 1) and no gradient reaches
-    mu or sigma of that latent (torch.where routes the gradient only through the chosen branch).
+    Where mask = 1, z = mu + sigma * eps; where mask = 0, z = 0 + 1 * eps = eps ~ N(0, 1) exactly,
+    and no gradient reaches mu or sigma of that latent (`prior_where_masked` selects first, so an
+    overflowing sigma of a masked latent never enters the arithmetic).
     """
-    posterior = mu + (0.5 * logvar).exp() * noise
-    return torch.where(mask.bool(), posterior, noise)
+    mu, logvar = prior_where_masked(mu, logvar, mask)
+    return mu + (0.5 * logvar).exp() * noise
 
 
 def capacity(step: int, cfg: ObjectiveConfig) -> float:
