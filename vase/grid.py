@@ -233,7 +233,7 @@ def write_table(spec: GridSpec, runs: list[GridRun]) -> str | None:
 class GridReport:
     planned: list[tuple[GridRun, str]]  # every run and its status before this invocation
     finished: list[str]  # names of runs that ended well in this invocation
-    failed: list[tuple[str, str]]  # (name, why, with the log's last lines)
+    failed: list[tuple[str, str]]  # (name, why it failed followed by its log's last lines)
     table: str | None
 
 

@@ -226,8 +226,8 @@ class RayBackend:
         task = ray.remote(num_cpus=self.threads, max_retries=0)(execute)
         refs = {}
         for job in jobs:
-            if "--resume" in job.arguments:  # its checkpoints go along, in case Ray places it elsewhere
-                job.files = pack_dir(job.run_dir)
+            if (Path(job.run_dir) / "config.json").is_file():  # a resume: its checkpoints go along, in case
+                job.files = pack_dir(job.run_dir)                # Ray places it elsewhere (see `execute`)
             refs[task.remote(job, host)] = job
         try:
             while refs:
