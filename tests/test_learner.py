@@ -151,3 +151,21 @@ def test_synthetic_two_environment_stream_gets_exactly_two_environments():
     assert lrn.inference.n_envs == 2
     assert set(assigned[:steps]) == {0}
     assert assigned[-1] == 1 and assigned.index(1) - steps < 50
+
+
+def test_without_s_a_does_not_mask_latents_while_they_are_learnt():
+    """The "A" row: one slot, and thresholds so low that every latent leaving the prior is atypical.
+    Literal eq. 5 masked them within a few steps; now only latents the slot has learnt (used while
+    settled) may be masked, and a learnt latent that turns atypical is."""
+    lrn = learner("A", ["mask.lambda_low=0.001", "mask.lambda_high=0.002", "mask.ema=0"])
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        out = lrn.training_step(squares(16, gen, 0))
+        assert out.mask.tolist() == [1.0] * 6
+    assert float(out.alpha.max()) > 0.002  # so eq. 5 alone would have masked at least one latent
+    assert not lrn.masks.learnt[0].any()
+    # Declare latent 2 learnt: the next atypical batch masks it, and nothing else.
+    lrn.masks.learnt[0, 2] = True
+    lrn.masks.alpha[0, 2] = 1.0
+    lrn.training_step(squares(16, gen, 1))
+    assert lrn.masks.mask(0).tolist() == [1.0, 1.0, 0.0, 1.0, 1.0, 1.0]

@@ -87,3 +87,32 @@ def test_maskable_latents_are_those_other_environments_use():
     inf.record(1, 100.0, torch.tensor([0.0, 0.0, 1.5]))
     assert inf.maskable(1).tolist() == [True, False, False]
     assert inf.maskable(0).tolist() == [False, False, True]
+
+
+def test_a_single_slot_masks_only_the_latents_it_has_learnt():
+    """With S off there is one slot. A latent it is learning is atypical until it settles; masking it
+    then would stop the learning for good (the "A" and "DA" rows closed all 24 latents that way)."""
+    cfg = MaskConfig(lambda_low=0.3, lambda_high=1.0, ema=0.0)
+    masks = LatentMasks(k_max=1, latents=3, cfg=cfg)
+
+    def step(alpha, used):
+        return masks.update(0, torch.tensor(alpha), masks.learnt[0].clone(), torch.tensor(used))
+
+    # Latent 0 is being learnt (used, atypical), 1 is used and settled, 2 is unused but atypical.
+    for _ in range(3):
+        assert step([2.0, 0.1, 2.0], [True, True, False]).tolist() == [1.0, 1.0, 1.0]
+    assert masks.learnt[0].tolist() == [False, True, False]
+    step([0.1, 0.1, 2.0], [True, True, False])  # latent 0 settles: now a learnt factor
+    assert masks.learnt[0].tolist() == [True, True, False]
+    # New data shifts every latent: the learnt ones are protected, the never-learnt one stays spare.
+    assert step([2.0, 2.0, 2.0], [True, True, False]).tolist() == [0.0, 0.0, 1.0]
+    # Masked latents carry nothing, so their usage decays; they stay learnt and reopen only when typical.
+    assert step([2.0, 0.1, 2.0], [False, False, False]).tolist() == [0.0, 1.0, 1.0]
+    assert masks.learnt[0].tolist() == [True, True, False]
+    # The record is part of the checkpoint, and a checkpoint without it loads as "nothing learnt".
+    restored = LatentMasks(k_max=1, latents=3, cfg=cfg)
+    restored.load_state_dict(masks.state_dict())
+    assert torch.equal(restored.learnt, masks.learnt)
+    old = {k: v for k, v in masks.state_dict().items() if k != "learnt"}
+    restored.load_state_dict(old)
+    assert not restored.learnt.any()

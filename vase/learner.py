@@ -117,7 +117,8 @@ class Learner:
             decision = self.inference.infer(t, torch.ones(1), alpha, info_batch, self.masks, lambda env: 0.0) \
                 if self.inference.n_envs == 0 else Decision(t, 0, 0, "same")
         s = decision.env
-        maskable = self.inference.maskable(s) if cfg.inference.enabled else None
+        # Which latents a^s may switch off [ours]: other slots' latents with S, learnt ones without.
+        maskable = self.inference.maskable(s) if cfg.inference.enabled else self.masks.learnt[s].clone()
         if decision.allocated:
             self.masks.start(s, alpha, maskable)
             self.snapshot.sync(self.model)  # [ours]: dreams of the old environments from the model that knew them
@@ -153,7 +154,8 @@ class Learner:
         if decision.verdict != "pending":
             # Masked latents are prior noise (eq. 2): they carry nothing for this environment.
             self.inference.record(s, float(recon.detach().mean()), torch.where(mask.bool(), info_batch, 0.0))
-            if cfg.mask.enabled and not torch.equal(self.masks.update(s, alpha, maskable), mask):
+            used = self.inference.usage[s] > cfg.inference.used_kl
+            if cfg.mask.enabled and not torch.equal(self.masks.update(s, alpha, maskable, used), mask):
                 self.inference.resettle(s, t)  # L_s was measured under the old mask
         if cfg.dream.enabled and (t + 1) % cfg.dream.snapshot_every == 0:
             self.snapshot.sync(self.model)  # every tau steps (paper §3.5)

@@ -47,12 +47,16 @@ class LatentMasks:
 
     A new slot starts with every latent on: unused latents have alpha ~ 0 and are spare capacity.
 
-    Which latents may be masked is the caller's `maskable` argument. With environment inference on,
-    the learner passes the latents that *other* environments use [ours]: masking exists to stop an
-    environment from retraining latents that encode another environment's factors (paper §3.3).
-    A latent that the current environment is learning right now is atypical too while its
-    aggregate posterior has not yet settled to the prior, and masking it would stop that learning.
-    With S off there is only one environment and every latent is maskable, as in eq. 5.
+    Which latents may be masked is the caller's `maskable` argument [ours]. Masking exists to stop
+    an environment from retraining latents that encode factors already learnt (paper §3.3). A latent
+    that is being learnt right now is atypical too, until its aggregate posterior settles to the
+    prior, and masking it would stop that learning: masked latents get no gradient (eq. 2), so
+    their atypicality never falls again.
+    - With environment inference on, the learner passes the latents that *other* environments use.
+    - With S off there is one slot, and the learner passes its `learnt` latents: those it has used
+      (usage above `used_kl`) while their smoothed alpha was settled below lambda_low. Literal eq. 5
+      (every latent maskable) masked latents while they were being learnt and closed all 24 of
+      them in the "A" and "DA" rows (docs/calibration.md).
     """
 
     def __init__(self, k_max: int, latents: int, cfg: MaskConfig):
@@ -60,6 +64,7 @@ class LatentMasks:
         self.masks = torch.ones(k_max, latents)
         self.alpha = torch.zeros(k_max, latents)
         self.initialised = torch.zeros(k_max, dtype=torch.bool)
+        self.learnt = torch.zeros(k_max, latents, dtype=torch.bool)  # used while settled; never cleared
 
     def mask(self, env: int) -> torch.Tensor:
         if not self.cfg.enabled:
@@ -75,27 +80,49 @@ class LatentMasks:
         self.alpha[env] = alpha
         self.masks[env] = hysteresis(alpha, torch.ones_like(alpha), self.cfg, maskable)
         self.initialised[env] = True
+        self.learnt[env] = False
 
-    def update(self, env: int, alpha: torch.Tensor, maskable: torch.Tensor | None = None) -> torch.Tensor:
-        """Fold one batch's alpha into a^env (EMA then hysteresis) and return the new mask."""
+    def update(
+        self, env: int, alpha: torch.Tensor, maskable: torch.Tensor | None = None, used: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Fold one batch's alpha into a^env (EMA then hysteresis) and return the new mask.
+
+        `used` (the latents env's usage record counts as used) marks those whose smoothed alpha is
+        settled as learnt; the mask itself is decided before, on the previous batches' `learnt`.
+        """
         if not self.initialised[env]:
             self.start(env, alpha, maskable)
         else:
             self.alpha[env] = self.cfg.ema * self.alpha[env] + (1 - self.cfg.ema) * alpha
             self.masks[env] = hysteresis(self.alpha[env], self.masks[env], self.cfg, maskable)
+        if used is not None:
+            self.learnt[env] |= used & (self.alpha[env] < self.cfg.lambda_low)
         return self.mask(env)
 
     def row(self, env: int) -> dict:
         """The state of one environment's mask, to restore with `restore_row`."""
-        return {"mask": self.masks[env].clone(), "alpha": self.alpha[env].clone(), "initialised": bool(self.initialised[env])}
+        return {
+            "mask": self.masks[env].clone(),
+            "alpha": self.alpha[env].clone(),
+            "initialised": bool(self.initialised[env]),
+            "learnt": self.learnt[env].clone(),
+        }
 
     def restore_row(self, env: int, row: dict) -> None:
         self.masks[env], self.alpha[env], self.initialised[env] = row["mask"], row["alpha"], row["initialised"]
+        self.learnt[env] = row["learnt"]
 
     def state_dict(self) -> dict:
-        return {"masks": self.masks.clone(), "alpha": self.alpha.clone(), "initialised": self.initialised.clone()}
+        return {
+            "masks": self.masks.clone(),
+            "alpha": self.alpha.clone(),
+            "initialised": self.initialised.clone(),
+            "learnt": self.learnt.clone(),
+        }
 
     def load_state_dict(self, d: dict) -> None:
         self.masks = d["masks"].clone()
         self.alpha = d["alpha"].clone()
         self.initialised = d["initialised"].clone()
+        # Checkpoints written before the single-slot rule have no record: nothing learnt yet.
+        self.learnt = d["learnt"].clone() if "learnt" in d else torch.zeros_like(self.masks, dtype=torch.bool)
