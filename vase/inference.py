@@ -106,6 +106,10 @@ class EnvironmentInference:
             return torch.full((self.usage.shape[1],), float("-inf"))
         return self.usage[others].max(0).values
 
+    def used(self, env: int) -> torch.Tensor:
+        """Latents env uses: its running usage (information per latent) above used_kl."""
+        return self.usage[env] > self.cfg.used_kl
+
     def maskable(self, env: int) -> torch.Tensor:
         """Latents that environments other than `env` use: the only ones `env` may mask [ours]."""
         return self.usage_elsewhere(env) > self.cfg.used_kl
@@ -151,8 +155,7 @@ class EnvironmentInference:
         using a new latent at any time as C(t) grows.
         """
         relied = self.usage_elsewhere(env)
-        unused = self.usage[env] <= self.cfg.used_kl
-        return unused & (relied > self.cfg.relied_kl) & (information > self.cfg.foreign_use * relied)
+        return ~self.used(env) & (relied > self.cfg.relied_kl) & (information > self.cfg.foreign_use * relied)
 
     def mask_disagreement(
         self, env: int, alpha: torch.Tensor, information: torch.Tensor, masks: LatentMasks
@@ -169,8 +172,7 @@ class EnvironmentInference:
         low, high = masks.cfg.lambda_low, masks.cfg.lambda_high
         a_env = masks.mask(env).bool()
         settled_on, settled_off = masks.alpha[env] < low, masks.alpha[env] > high
-        used = self.usage[env] > self.cfg.used_kl
-        lost = a_env & settled_on & used & (alpha > high)
+        lost = a_env & settled_on & self.used(env) & (alpha > high)
         gained = ~a_env & settled_off & (alpha < low) & (information > self.cfg.used_kl)
         return lost | gained
 

@@ -154,7 +154,7 @@ class Learner:
         if decision.verdict != "pending":
             # Masked latents are prior noise (eq. 2): they carry nothing for this environment.
             self.inference.record(s, float(recon.detach().mean()), torch.where(mask.bool(), info_batch, 0.0))
-            used = self.inference.usage[s] > cfg.inference.used_kl
+            used = None if cfg.inference.enabled else self.inference.used(s)  # the single-slot rule's record
             if cfg.mask.enabled and not torch.equal(self.masks.update(s, alpha, maskable, used), mask):
                 self.inference.resettle(s, t)  # L_s was measured under the old mask
         if cfg.dream.enabled and (t + 1) % cfg.dream.snapshot_every == 0:

@@ -286,7 +286,7 @@ class Trainer:
             mask = self.learner.masks.mask(slot)
             rows.append({
                 "true_env": env.name, "slot": slot,
-                "used_in_training": (self.learner.inference.usage[slot] > used_kl).nonzero().flatten().tolist(),
+                "used_in_training": self.learner.inference.used(slot).nonzero().flatten().tolist(),
                 "masked": (mask == 0).nonzero().flatten().tolist(),
                 "kl_per_latent": [round(float(k), 4) for k in kl],
                 "info_per_latent": [round(float(i), 4) for i in info],
