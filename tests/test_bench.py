@@ -64,11 +64,12 @@ def test_recorded_passes_of_a_vase_step():
 
 
 # -- the layer implementations compute the same function -----------------------------------------------
+@pytest.mark.parametrize("kernel", ["native", "onednn"])
 @pytest.mark.parametrize("route", ["swapped", "nchw"])
 @pytest.mark.parametrize("preset", ["cpu", "paper"])
-def test_optimised_networks_match_a_plain_nchw_evaluation(preset, route, monkeypatch):
+def test_optimised_networks_match_a_plain_nchw_evaluation(preset, route, kernel, monkeypatch):
     monkeypatch.setattr(networks, "TRANSPOSED_WEIGHT_GRAD", route)  # both weight-gradient routes of the deconvs
-    cfg = build_config(preset)
+    cfg = build_config(preset, [f"model.weight_grad_kernel={kernel}"])  # ours (where built) or oneDNN's
     torch.manual_seed(0)
     model = VAE(cfg.model)  # "fast" layers, channels_last parameters
     assert model.encoder.implementation == "fast" and model.decoder.implementation == "fast"

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from vase import networks
+from vase import kernels, networks
 from vase.config import Config, ModelConfig, build_config
 from vase.errors import ConfigError
 from vase import learner as learner_module
@@ -109,7 +109,7 @@ def layer_costs(module: nn.Module, *example: torch.Tensor) -> list[LayerCost]:
             handles.append(mod.register_forward_hook(hook(name)))
     # The "fast" layers call the conv weights functionally; run the stacks as modules so hooks fire.
     saved = networks.run_stack
-    networks.run_stack = lambda stack, h, implementation: stack(h)
+    networks.run_stack = lambda stack, h, *route: stack(h)
     try:
         with torch.no_grad():
             module(*example)
@@ -678,10 +678,15 @@ def machine_info() -> dict:
         "simd": [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile") if f in flags],
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        "native_kernels": kernels.status(),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "load_average_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
+
+
+# The weight gradients of the release before our kernel (vase/kernels).
+ONEDNN_WGRAD = "model.weight_grad_kernel=onednn"
 
 
 def default_specs(preset: str) -> list[Spec]:
@@ -693,8 +698,9 @@ def default_specs(preset: str) -> list[Spec]:
         Spec(f"{p}/vase_8past", "SDA, 8 past envs (k_max 10)", p, ablation="SDA", overrides=("model.k_max=10",), n_envs=9),
         Spec(f"{p}/loop", "trainer-like loop, SDA 2 past", p, kind="loop", ablation="SDA", n_envs=3),
         Spec(f"{p}/plain_1thread", 'plain step "-", 1 thread', p, threads=1),
+        Spec(f"{p}/plain_onednn_wgrad", 'plain "-", oneDNN weight gradients', p, overrides=(ONEDNN_WGRAD,)),
         Spec(f"{p}/plain_nchw_wgrad", 'plain "-", NCHW deconv wgrad + multi-tensor Adam', p,
-             transposed_weight_grad="nchw", fused_adam=False),
+             overrides=(ONEDNN_WGRAD,), transposed_weight_grad="nchw", fused_adam=False),
         Spec(f"{p}/plain_cl", 'plain "-", old layers + kept memory', p, implementation="channels_last",
              fused_adam=False),
         Spec(f"{p}/before_plain", 'plain "-", before (old code, plain process)', p, implementation="channels_last",
@@ -759,7 +765,8 @@ TIME_RATIOS = [
     ("speedup_vase_vs_before", "before_vase", "vase"),
     ("speedup_from_kept_memory", "before_plain", "plain_cl"),
     ("speedup_from_layers", "plain_cl", "plain"),
-    ("speedup_from_swapped_wgrad_and_fused_adam", "plain_nchw_wgrad", "plain"),
+    ("speedup_from_swapped_wgrad_and_fused_adam", "plain_nchw_wgrad", "plain_onednn_wgrad"),
+    ("speedup_from_native_wgrad", "plain_onednn_wgrad", "plain"),
 ]
 
 
@@ -862,6 +869,7 @@ def format_report(results: dict) -> str:
         f"vase bench  {m['date']}",
         f"machine: {m['cpu_model']}, {m['cores']} cores ({', '.join(m['simd'])}), torch {m['torch']}, "
         f"{m['torch_threads']} threads",
+        f"our weight-gradient kernel (vase.kernels): {m.get('native_kernels', 'n/a')}",
         f"load average: start {_load(m.get('load_average_start'))}, end {_load(m.get('load_average_end'))}",
         LOAD_NOTE,
         "",
@@ -904,7 +912,8 @@ def format_report(results: dict) -> str:
                           ("speedup_from_kept_memory", "  of which kept freed memory (old layers)"),
                           ("speedup_from_layers", "  of which the layer implementation"),
                           ("speedup_from_swapped_wgrad_and_fused_adam",
-                           "  of which swapped-conv deconv weight gradients and fused Adam")):
+                           "  of which swapped-conv deconv weight gradients and fused Adam"),
+                          ("speedup_from_native_wgrad", "  of which our weight-gradient kernel (vase.kernels)")):
             if key in r:
                 lines.append(f"  {text}: x{r[key]:.2f}")
         odd = {n: v["verdicts"] for n, v in res["variants"].items()

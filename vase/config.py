@@ -74,6 +74,12 @@ class ModelConfig:
     image_channels: int = 1
     # channels_last is several times faster for some conv shapes on CPU (spec §2, measured by bench).
     channels_last: bool = True
+    # Who computes the convs' weight gradients [ours, speed]: "native", our AVX2 kernel
+    # (vase/kernels; oneDNN where it cannot be built or a layer has no 16k channels), or "onednn".
+    # The same function; on AVX2 machines the same bits too (docs/benchmarks.md, item 9). Elsewhere
+    # the sums may differ in the last bits, so the value is part of what reproduces a run (runs
+    # from before this field existed used "onednn").
+    weight_grad_kernel: str = "native"
 
     def channel_list(self) -> list[int]:
         return [int(c) for c in self.channels.split(",")]
@@ -283,6 +289,8 @@ class Config:
             errs.append(f"model.channels must be 4 comma-separated integers, got {self.model.channels!r}")
         if self.model.latents < 1:
             errs.append("model.latents must be at least 1")
+        if self.model.weight_grad_kernel not in ("native", "onednn"):
+            errs.append(f"model.weight_grad_kernel must be 'native' or 'onednn', got {self.model.weight_grad_kernel!r}")
         if errs:
             raise ConfigError("; ".join(errs))
         return self
@@ -380,4 +388,8 @@ def load_run_config(run_dir: Path) -> Config:
             f"{run_dir} was written with config version {d.get('version')}; this vase reads version "
             f"{CONFIG_VERSION}, so the run cannot be resumed or evaluated by this code"
         )
+    # Runs written before model.weight_grad_kernel existed were trained with oneDNN's gradients;
+    # they resume with them (on machines where the two routes differ in the last bits, it matters).
+    if isinstance(d.get("model"), dict):
+        d["model"].setdefault("weight_grad_kernel", "onednn")
     return Config.from_dict(d).validate()

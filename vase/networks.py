@@ -7,8 +7,10 @@ same parameters (tests/test_bench.py checks this), and `vase bench` measures the
 - "fast" (the default when model.channels_last is on): activations in channels_last, each conv
   layer and its ReLU are one autograd node (`_ConvReLU`) that picks the faster memory format per
   operation, the decoder's last transposed conv (to C=1 channels) is a matmul plus an
-  overlap-add instead of oneDNN's slow 1-output-channel deconvolution, and the weight gradient of
-  the encoder's first conv (from C=1 channels) is a matmul over strided image patches. See docs/benchmarks.md.
+  overlap-add instead of oneDNN's slow 1-output-channel deconvolution, the weight gradient of
+  the encoder's first conv (from C=1 channels) is a matmul over strided image patches, and the
+  other weight gradients come from our kernel (`vase.kernels`, model.weight_grad_kernel). See
+  docs/benchmarks.md.
 - "channels_last": the previous implementation (everything channels_last, plain nn.Sequential).
 - "nchw": plain nn.Sequential on contiguous NCHW tensors (model.channels_last off).
 """
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from vase import kernels
 from vase.config import ModelConfig
 
 IMAGE_SIZE = 64
@@ -116,7 +119,7 @@ class _ConvReLU(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, transposed: bool, relu: bool):  # noqa: D401
+    def forward(ctx, x, weight, bias, transposed: bool, relu: bool, native: bool):  # noqa: D401
         x = x.contiguous(memory_format=_CL)
         if transposed and weight.shape[1] == 1:
             y = _deconv_one_channel(x, weight, bias)
@@ -124,7 +127,7 @@ class _ConvReLU(torch.autograd.Function):
             y = _aten.convolution(x, weight, bias, _STRIDE, _PADDING, _DILATION, transposed, [0, 0], 1)
         if relu:
             y = y.relu_()
-        ctx.transposed, ctx.relu, ctx.has_bias = transposed, relu, bias is not None
+        ctx.transposed, ctx.relu, ctx.has_bias, ctx.native = transposed, relu, bias is not None, native
         ctx.save_for_backward(x, weight, y if relu else None)
         return y
 
@@ -142,14 +145,18 @@ class _ConvReLU(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = _aten.convolution_backward(grad, x, weight, [out_channels], *args, [True, False, False])[0]
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            grad_w, grad_b = _weight_grad(grad, x, weight, transposed, ctx.needs_input_grad[1],
+            grad_w, grad_b = _weight_grad(grad, x, weight, transposed, ctx.native, ctx.needs_input_grad[1],
                                           ctx.has_bias and ctx.needs_input_grad[2])
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
-def _weight_grad(grad, x, weight, transposed: bool, want_w: bool, want_b: bool):
+def _weight_grad(grad, x, weight, transposed: bool, native: bool, want_w: bool, want_b: bool):
     """Weight and bias gradients of a 4x4 stride-2 conv layer, plain or transposed.
 
+    - `native` (model.weight_grad_kernel = "native"), 16k input channels (16k output channels if
+      transposed, read swapped as below) and inputs of at least 8x8: our kernel
+      (`vase.kernels.conv_weight_grad`), where it is built. oneDNN runs the paper network's 64->64
+      layers at about 2/3 of the matmul peak here, the kernel at about 0.85 (docs/benchmarks.md).
     - One input channel (the first encoder conv): a patch matmul (`_conv_one_channel_weight_grad`).
     - Transposed, TRANSPOSED_WEIGHT_GRAD = "swapped": a transposed conv y = convT(x, W) has, for
       every W, the same weight gradient as the plain conv that maps y's space back to x's with the
@@ -161,6 +168,18 @@ def _weight_grad(grad, x, weight, transposed: bool, want_w: bool, want_b: bool):
     """
     args = (_STRIDE, _PADDING, _DILATION)
     swapped = transposed and TRANSPOSED_WEIGHT_GRAD == "swapped"
+    if want_w and native and (swapped or not transposed):
+        # The plain conv whose weight gradient this is: for a transposed conv, the swapped one. The
+        # bias gradient is summed as the oneDNN routes below sum it, pixel after pixel for plain
+        # convs, so on this machine both settings of model.weight_grad_kernel give the same bits.
+        if swapped:
+            grad_w, grad_b = kernels.conv_weight_grad(grad, x), grad.sum((0, 2, 3))
+        else:
+            grad_w, grad_b = kernels.conv_weight_grad(x, grad, bias=True) or (None, None)
+        if grad_w is not None:
+            if not weight.is_contiguous(memory_format=_CL):
+                grad_w = grad_w.contiguous()
+            return grad_w, grad_b if want_b else None
     if (not transposed and weight.shape[1] == 1) or swapped:
         grad_b = grad.sum((0, 2, 3)) if want_b else None
         if swapped and weight.shape[1] > 1:
@@ -184,11 +203,16 @@ def _layers(stack: nn.Sequential) -> list[tuple[nn.Module, bool]]:
             for i, m in enumerate(mods) if isinstance(m, (nn.Conv2d, nn.ConvTranspose2d))]
 
 
-def run_stack(stack: nn.Sequential, h: torch.Tensor, implementation: str) -> torch.Tensor:
-    """Apply a conv stack with the given implementation (all compute the same function)."""
+def run_stack(stack: nn.Sequential, h: torch.Tensor, implementation: str,
+              weight_grad_kernel: str = "onednn") -> torch.Tensor:
+    """Apply a conv stack with the given implementation (all compute the same function).
+
+    `weight_grad_kernel` (model.weight_grad_kernel) matters to the "fast" implementation only.
+    """
     if implementation == "fast":
+        native = weight_grad_kernel == "native"
         for conv, relu in _layers(stack):
-            h = _ConvReLU.apply(h, conv.weight, conv.bias, isinstance(conv, nn.ConvTranspose2d), relu)
+            h = _ConvReLU.apply(h, conv.weight, conv.bias, isinstance(conv, nn.ConvTranspose2d), relu, native)
         return h
     if implementation == "channels_last":
         return stack(h.contiguous(memory_format=_CL))
@@ -262,9 +286,10 @@ class Encoder(nn.Module):
         self.fc = nn.Linear(chans[-1] * FEATURE_SIZE * FEATURE_SIZE, cfg.hidden)
         self.head = nn.Linear(cfg.hidden, 2 * cfg.latents)
         self.implementation = _default_implementation(cfg)
+        self.weight_grad_kernel = cfg.weight_grad_kernel
 
     def forward(self, x: torch.Tensor) -> Posterior:
-        h = run_stack(self.convs, x, self.implementation)
+        h = run_stack(self.convs, x, self.implementation, self.weight_grad_kernel)
         h = F.relu(self.fc(h.flatten(1)))
         mu, logvar = self.head(h).chunk(2, dim=1)
         return Posterior(mu, logvar, h)
@@ -286,13 +311,14 @@ class Decoder(nn.Module):
         self.fc2 = nn.Linear(cfg.hidden, chans[-1] * FEATURE_SIZE * FEATURE_SIZE)
         self.deconvs = _conv_stack([*reversed(chans), cfg.image_channels], transposed=True)
         self.implementation = _default_implementation(cfg)
+        self.weight_grad_kernel = cfg.weight_grad_kernel
 
     def forward(self, z: torch.Tensor, env: torch.Tensor) -> torch.Tensor:
         """z: (B, N); env: (B,) int64 environment slots. Returns logits (B, C, 64, 64)."""
         onehot = F.one_hot(env, self.k_max).to(z.dtype)
         h = F.relu(self.fc1(torch.cat([z, onehot], dim=1)))
         h = F.relu(self.fc2(h)).view(-1, self.top_channels, FEATURE_SIZE, FEATURE_SIZE)
-        return run_stack(self.deconvs, h, self.implementation)
+        return run_stack(self.deconvs, h, self.implementation, self.weight_grad_kernel)
 
 
 class EnvironmentClassifier(nn.Module):

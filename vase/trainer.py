@@ -12,6 +12,7 @@ import torch
 from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
 
+from vase import kernels
 from vase.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint, save_weights, write_atomic
 from vase.config import Config
 from vase.data.environments import load_sequence
@@ -359,6 +360,8 @@ class Trainer:
             "seed": self.cfg.train.seed,
             "steps": self.learner.step,
             "wall_time_s": round(self.record.wall_time, 1),
+            # The route decides the last bits of every gradient, so it is part of what reproduces a run.
+            "weight_gradients": kernels.route(self.cfg.model.weight_grad_kernel),
             "environments_inferred": self.learner.inference.n_envs,
             "environments_true": len(set(self.cfg.data.env_names())),
             "inferred_vs_true": inferred,

@@ -1,0 +1,152 @@
+"""Our weight-gradient kernel (vase.kernels) against a float64 reference, and its fallbacks."""
+import json
+
+import pytest
+import torch
+from torch.nn.grad import conv2d_weight
+
+from vase import kernels, networks
+from vase.config import build_config, load_run_config
+from vase.errors import ConfigError
+
+needs_kernel = pytest.mark.skipif(kernels.status() != "on", reason=f"kernel not built: {kernels.status()}")
+
+
+def _reference(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    w_shape = (grad.shape[1], x.shape[1], 4, 4)
+    return conv2d_weight(x.double(), w_shape, grad.double(), stride=2, padding=1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n, ci, co, h, w", [
+    (3, 16, 5, 16, 16),    # fewer output channels than one register tile (6)
+    (5, 32, 13, 18, 10),   # two full tiles and a 1-row tail; non-square, OW not a power of 2
+    (37, 16, 7, 8, 8),     # 8x8 inputs: 32 images per chunk, then a partial chunk of 5
+    (2, 64, 64, 32, 32),   # the paper network's 64->64 layer
+    (4, 48, 6, 20, 12),    # three 16-channel blocks, split unevenly over two threads
+])
+def test_kernel_matches_a_float64_reference(n, ci, co, h, w):
+    torch.manual_seed(0)
+    x = torch.randn(n, ci, h, w).contiguous(memory_format=torch.channels_last)
+    grad = torch.randn(n, co, h // 2, w // 2)  # NCHW: the kernel makes its own channels_last copy
+    ours = kernels.conv_weight_grad(x, grad)
+    assert ours is not None and ours.shape == (co, ci, 4, 4)
+    assert ours.is_contiguous(memory_format=torch.channels_last)
+    ref = _reference(x, grad)
+    # float32 sums of n*h*w/4 products of unit normals: compare with oneDNN's float32 error.
+    onednn = torch.ops.aten.convolution_backward(grad, x, torch.empty(co, ci, 4, 4), None, [2, 2], [1, 1], [1, 1],
+                                                 False, [0, 0], 1, [False, True, False])[1]
+    err, onednn_err = (ours.double() - ref).abs().max().item(), (onednn.double() - ref).abs().max().item()
+    assert err <= 2 * onednn_err + 1e-6 * ref.abs().max().item()
+
+
+@needs_kernel
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX2", reason="oneDNN's AVX2 kernels only")
+@pytest.mark.parametrize("ci, co, h", [(32, 32, 32), (64, 64, 32), (128, 128, 8), (16, 13, 16)])
+def test_kernel_gives_onednns_bits_on_avx2(ci, co, h):
+    """On AVX2 machines (this project's) oneDNN adds the products pixel after pixel, as we do, so
+    switching model.weight_grad_kernel does not change a run (docs/benchmarks.md, item 9). A new
+    oneDNN that sums in another order fails this test; the results tables would then no longer be
+    reproduced bit for bit by either setting."""
+    torch.manual_seed(2)
+    x = torch.randn(9, ci, h, h).contiguous(memory_format=torch.channels_last)
+    grad = torch.randn(9, co, h // 2, h // 2).contiguous(memory_format=torch.channels_last)
+    w = torch.empty(co, ci, 4, 4).contiguous(memory_format=torch.channels_last)
+    _, dw, db = torch.ops.aten.convolution_backward(grad, x, w, [co], [2, 2], [1, 1], [1, 1], False, [0, 0], 1,
+                                                    [False, True, True])
+    ours, ours_b = kernels.conv_weight_grad(x, grad, bias=True)
+    assert torch.equal(ours, dw) and torch.equal(ours_b, db)
+
+
+@needs_kernel
+def test_kernel_uses_the_threads_it_is_given():
+    """One thread or two give the same sums (each thread owns its input channels)."""
+    torch.manual_seed(1)
+    x, grad = torch.randn(6, 64, 16, 16), torch.randn(6, 64, 8, 8)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernels.conv_weight_grad(x, grad)
+        torch.set_num_threads(2)
+        two = kernels.conv_weight_grad(x, grad)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("x, grad", [
+    (torch.randn(2, 8, 16, 16), torch.randn(2, 4, 8, 8)),  # input channels not a multiple of 16
+    (torch.randn(2, 16, 15, 16), torch.randn(2, 4, 7, 8)),  # odd height
+    (torch.randn(2, 16, 4, 4), torch.randn(2, 4, 2, 2)),  # smaller than any map we measured
+    (torch.randn(2, 16, 16, 16, dtype=torch.float64), torch.randn(2, 4, 8, 8, dtype=torch.float64)),
+    (torch.randn(2, 16, 16, 16), torch.randn(2, 4, 16, 16)),  # not the output of a stride-2 conv
+])
+def test_unsupported_shapes_are_left_to_onednn(x, grad):
+    assert not kernels.applies(x, grad)
+    assert kernels.conv_weight_grad(x, grad) is None
+
+
+@pytest.fixture
+def fresh_library():
+    kernels._library.cache_clear()
+    yield
+    kernels._library.cache_clear()
+
+
+def test_a_failing_compiler_falls_back_to_onednn(fresh_library, monkeypatch, tmp_path):
+    """No kernel is built, nothing is cached, and the model's gradients still come (from oneDNN)."""
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path))
+    status = kernels.status()
+    if status.startswith("off (the CPU") or status.startswith("off (PyTorch") or status == "off (not Linux)":
+        pytest.skip(status)
+    assert status.startswith("off (false ")
+    assert not list(tmp_path.rglob("*.so"))
+    x = torch.randn(2, 16, 16, 16, requires_grad=True)
+    conv = torch.nn.Conv2d(16, 4, 4, 2, 1)
+    y = networks._ConvReLU.apply(x, conv.weight, conv.bias, False, True, True)
+    y.square().sum().backward()
+    assert conv.weight.grad is not None and torch.isfinite(conv.weight.grad).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("setting", ["native", "onednn"])
+def test_the_model_routes_its_wide_layers_as_configured(setting, monkeypatch):
+    """model.weight_grad_kernel = "native": every conv of the paper network but the one-channel
+    ones gets its weight gradient from us; "onednn": none does."""
+    calls = []
+    real = kernels.conv_weight_grad
+
+    def counting(x, grad, bias=False):
+        out = real(x, grad, bias)
+        if out is not None:
+            calls.append((tuple(x.shape[1:]), grad.shape[1]))
+        return out
+
+    monkeypatch.setattr(kernels, "conv_weight_grad", counting)
+    cfg = build_config("paper", [f"model.weight_grad_kernel={setting}"])
+    model = networks.VAE(cfg.model)
+    x = torch.rand(2, 1, 64, 64)
+    post = model.encoder(x)
+    logits = model.decoder(post.mu, torch.zeros(2, dtype=torch.long))
+    (post.logvar.sum() + logits.sum()).backward()
+    # encoder convs 2-4 (input maps), decoder deconvs 1-3 (swapped: the gradients of their outputs)
+    expected = [((64, 32, 32), 64), ((64, 16, 16), 128), ((128, 8, 8), 128),
+                ((128, 8, 8), 128), ((64, 16, 16), 128), ((64, 32, 32), 64)]
+    assert sorted(calls) == (sorted(expected) if setting == "native" else [])
+    assert kernels.route(setting) == setting
+
+
+def test_the_setting_is_validated_and_old_runs_keep_onednn(tmp_path):
+    with pytest.raises(ConfigError, match="weight_grad_kernel"):
+        build_config("cpu", ["model.weight_grad_kernel=cuda"]).validate()
+    assert build_config("cpu").model.weight_grad_kernel == "native"
+    # A run written before the setting existed was trained with oneDNN's gradients; resuming it
+    # must keep them, or its sums change in the last bits.
+    d = build_config("cpu").to_dict()
+    del d["model"]["weight_grad_kernel"]
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    assert load_run_config(tmp_path).model.weight_grad_kernel == "onednn"
+    d["model"]["weight_grad_kernel"] = "native"
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    assert load_run_config(tmp_path).model.weight_grad_kernel == "native"
