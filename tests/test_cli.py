@@ -14,6 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from cli import main
+from vase import kernels
 from vase.data.environments import ENVIRONMENT_NAMES
 
 # Tiny settings for every CLI run: 20 steps per environment, probes every 10, a checkpoint every 5.
@@ -38,7 +39,7 @@ STEPS = 20
 RESULT_KEYS = {
     "ablation", "mode", "preset", "sequence", "steps_per_env", "seed", "steps", "wall_time_s",
     "environments_inferred", "environments_true", "inferred_vs_true", "inference_events", "pending_batches",
-    "final_masks", "heldout_reconstruction_matrix", "latent_use", "disentanglement", "probes",
+    "final_masks", "heldout_reconstruction_matrix", "latent_use", "disentanglement", "probes", "weight_gradients",
 }
 
 
@@ -127,6 +128,7 @@ def test_train_prints_the_summary_and_writes_the_run(sprite_run, sprite_data):
     results = json.loads((run / "results.json").read_text())
     assert RESULT_KEYS <= set(results)
     assert results["steps"] == 3 * STEPS
+    assert results["weight_gradients"] == kernels.route("native")  # the default model.weight_grad_kernel
     assert results["sequence"] == ["moving_shapes_a", "shapes_b", "moving_shapes_b"]
     assert len(results["heldout_reconstruction_matrix"]) == 3
     probes = results["probes"]

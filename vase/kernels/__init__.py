@@ -100,8 +100,9 @@ def _library() -> _Library:
         lib = ctypes.CDLL(str(target))
     except OSError as e:
         return _Library(None, f"off (could not load it: {e})")
-    # Our OpenMP threads must be PyTorch's: a second runtime's pool would compete with PyTorch's
-    # spinning workers for the cores (measured: 13.4 -> 18.1 ms per call right after a torch op).
+    # Our OpenMP threads must be PyTorch's: a second pool would compete with PyTorch's workers,
+    # which spin for a while after each op (a pthread pool of our own took 18.1 ms per call right
+    # after a torch op, against 13.4 ms; docs/benchmarks.md).
     added = _openmp_runtimes() - before
     if added:
         return _Library(None, f"off (it loaded a second OpenMP runtime: {', '.join(sorted(added))})")
