@@ -25,7 +25,8 @@ def _reference(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     (2, 64, 64, 32, 32),   # the paper network's 64->64 layer
     (4, 48, 6, 20, 12),    # three 16-channel blocks, split unevenly over two threads
 ])
-def test_kernel_matches_a_float64_reference(n, ci, co, h, w):
+def test_kernel_matches_a_float64_reference(n, ci, co, h, w, monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1 if ci < 32 else 2)  # one 16-channel block per thread
     torch.manual_seed(0)
     x = torch.randn(n, ci, h, w).contiguous(memory_format=torch.channels_last)
     grad = torch.randn(n, co, h // 2, w // 2)  # NCHW: the kernel makes its own channels_last copy
@@ -43,11 +44,12 @@ def test_kernel_matches_a_float64_reference(n, ci, co, h, w):
 @needs_kernel
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX2", reason="oneDNN's AVX2 kernels only")
 @pytest.mark.parametrize("ci, co, h", [(32, 32, 32), (64, 64, 32), (128, 128, 8), (16, 13, 16)])
-def test_kernel_gives_onednns_bits_on_avx2(ci, co, h):
+def test_kernel_gives_onednns_bits_on_avx2(ci, co, h, monkeypatch):
     """On AVX2 machines (this project's) oneDNN adds the products pixel after pixel, as we do, so
     switching model.weight_grad_kernel does not change a run (docs/benchmarks.md, item 9). A new
     oneDNN that sums in another order fails this test; the results tables would then no longer be
     reproduced bit for bit by either setting."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1 if ci < 32 else 2)
     torch.manual_seed(2)
     x = torch.randn(9, ci, h, h).contiguous(memory_format=torch.channels_last)
     grad = torch.randn(9, co, h // 2, h // 2).contiguous(memory_format=torch.channels_last)
@@ -72,6 +74,16 @@ def test_kernel_uses_the_threads_it_is_given():
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
+
+
+@needs_kernel
+def test_more_threads_than_channel_blocks_are_left_to_onednn(monkeypatch):
+    """16 input channels are one block for one thread: with two threads oneDNN does it."""
+    x, grad = torch.randn(2, 16, 16, 16), torch.randn(2, 4, 8, 8)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert kernels.applies(x, grad) and kernels.conv_weight_grad(x, grad) is None
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert kernels.conv_weight_grad(x, grad) is not None
 
 
 @pytest.mark.parametrize("x, grad", [
@@ -124,6 +136,7 @@ def test_the_model_routes_its_wide_layers_as_configured(setting, monkeypatch):
         return out
 
     monkeypatch.setattr(kernels, "conv_weight_grad", counting)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # as on this project's machine: 4+ channel blocks each
     cfg = build_config("paper", [f"model.weight_grad_kernel={setting}"])
     model = networks.VAE(cfg.model)
     x = torch.rand(2, 1, 64, 64)

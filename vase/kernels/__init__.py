@@ -138,8 +138,9 @@ def applies(x: torch.Tensor, grad: torch.Tensor) -> bool:
 def conv_weight_grad(x: torch.Tensor, grad: torch.Tensor, bias: bool = False):
     """dL/dW of conv2d(x, W, stride=2, padding=1) with a 4x4 kernel, given grad = dL/d(output).
 
-    Returns a (Co, Ci, 4, 4) tensor in channels_last memory, or None where the kernel is off or
-    does not handle the shapes (see `applies`). With `bias`, returns (dW, dL/db), dL/db summed
+    Returns a (Co, Ci, 4, 4) tensor in channels_last memory, or None where the kernel is off,
+    does not handle the shapes (see `applies`), or has fewer 16-channel blocks of Ci than PyTorch
+    has threads. With `bias`, returns (dW, dL/db), dL/db summed
     pixel after pixel as oneDNN sums it.
     """
     if not applies(x, grad):
@@ -147,13 +148,18 @@ def conv_weight_grad(x: torch.Tensor, grad: torch.Tensor, bias: bool = False):
     lib = _library().lib
     if lib is None:
         return None
+    n, ci, h, w = x.shape
+    threads = torch.get_num_threads()
+    if threads > ci // 16:
+        # The kernel's threads split the input channels 16 at a time; with more threads than
+        # that, oneDNN (which splits further) would leave fewer cores idle.
+        return None
     x = x.contiguous(memory_format=torch.channels_last)
     grad = grad.contiguous(memory_format=torch.channels_last)
-    n, ci, h, w = x.shape
     co = grad.shape[1]
     out = torch.empty(co, 4, 4, ci)
     db = torch.empty(co) if bias else None
     if lib.conv_weight_grad(x.data_ptr(), grad.data_ptr(), out.data_ptr(), None if db is None else db.data_ptr(),
-                            n, h, w, ci, co, torch.get_num_threads()):
+                            n, h, w, ci, co, threads):
         return None
     return (out.permute(0, 3, 1, 2), db) if bias else out.permute(0, 3, 1, 2)
