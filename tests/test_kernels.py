@@ -110,8 +110,8 @@ def test_a_failing_compiler_falls_back_to_onednn(fresh_library, monkeypatch, tmp
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
     monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path))
     status = kernels.status()
-    if status.startswith("off (the CPU") or status.startswith("off (PyTorch") or status == "off (not Linux)":
-        pytest.skip(status)
+    if status.startswith(("off (not Linux", "off (written for AVX2", "off (PyTorch")):
+        pytest.skip(status)  # off before any compiler is tried
     assert status.startswith("off (false ")
     assert not list(tmp_path.rglob("*.so"))
     x = torch.randn(2, 16, 16, 16, requires_grad=True)

@@ -173,13 +173,15 @@ def _weight_grad(grad, x, weight, transposed: bool, native: bool, want_w: bool, 
         # bias gradient is summed as the oneDNN routes below sum it, pixel after pixel for plain
         # convs, so on this machine both settings of model.weight_grad_kernel give the same bits.
         if swapped:
-            grad_w, grad_b = kernels.conv_weight_grad(grad, x), grad.sum((0, 2, 3))
+            grad_w, grad_b = kernels.conv_weight_grad(grad, x), None
         else:
             grad_w, grad_b = kernels.conv_weight_grad(x, grad, bias=True) or (None, None)
         if grad_w is not None:
             if not weight.is_contiguous(memory_format=_CL):
                 grad_w = grad_w.contiguous()
-            return grad_w, grad_b if want_b else None
+            if not want_b:
+                return grad_w, None
+            return grad_w, grad.sum((0, 2, 3)) if swapped else grad_b
     if (not transposed and weight.shape[1] == 1) or swapped:
         grad_b = grad.sum((0, 2, 3)) if want_b else None
         if swapped and weight.shape[1] > 1:
@@ -203,8 +205,7 @@ def _layers(stack: nn.Sequential) -> list[tuple[nn.Module, bool]]:
             for i, m in enumerate(mods) if isinstance(m, (nn.Conv2d, nn.ConvTranspose2d))]
 
 
-def run_stack(stack: nn.Sequential, h: torch.Tensor, implementation: str,
-              weight_grad_kernel: str = "onednn") -> torch.Tensor:
+def run_stack(stack: nn.Sequential, h: torch.Tensor, implementation: str, weight_grad_kernel: str) -> torch.Tensor:
     """Apply a conv stack with the given implementation (all compute the same function).
 
     `weight_grad_kernel` (model.weight_grad_kernel) matters to the "fast" implementation only.

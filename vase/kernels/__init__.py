@@ -4,8 +4,7 @@ One kernel so far: the weight gradient of the model's 4x4 stride-2 convs (`conv_
 says why and how), used where model.weight_grad_kernel = "native" (the default). Everything here is
 optional: where the kernel cannot be built or loaded (no C compiler, a CPU that is not an AVX2 one,
 PyTorch not on OpenMP, a second OpenMP runtime), `conv_weight_grad` returns None and the caller
-uses oneDNN.
-`status()` says which, and why.
+uses oneDNN. `status()` says which, and why.
 
 The shared library is cached under $VASE_CACHE_DIR (default: ~/.cache/vase), named by a hash of
 the source, the flags and the compiler, and written atomically, so parallel grid workers share one.
@@ -21,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -31,9 +31,9 @@ CACHE_ENV = "VASE_CACHE_DIR"
 MIN_INPUT_SIZE = 8
 
 
-class _Library:
-    def __init__(self, lib: ctypes.CDLL | None, status: str):
-        self.lib, self.status = lib, status
+class _Library(NamedTuple):
+    lib: ctypes.CDLL | None
+    status: str
 
 
 def _cache_dir() -> Path:
@@ -140,8 +140,7 @@ def conv_weight_grad(x: torch.Tensor, grad: torch.Tensor, bias: bool = False):
 
     Returns a (Co, Ci, 4, 4) tensor in channels_last memory, or None where the kernel is off,
     does not handle the shapes (see `applies`), or has fewer 16-channel blocks of Ci than PyTorch
-    has threads. With `bias`, returns (dW, dL/db), dL/db summed
-    pixel after pixel as oneDNN sums it.
+    has threads. With `bias`, returns (dW, dL/db), dL/db summed pixel after pixel as oneDNN sums it.
     """
     if not applies(x, grad):
         return None
