@@ -1,5 +1,6 @@
 """Our weight-gradient kernel (vase.kernels) against a float64 reference, and its fallbacks."""
 import json
+import os
 
 import pytest
 import torch
@@ -119,6 +120,22 @@ def test_a_failing_compiler_falls_back_to_onednn(fresh_library, monkeypatch, tmp
     y = networks._ConvReLU.apply(x, conv.weight, conv.bias, False, True, True)
     y.square().sum().backward()
     assert conv.weight.grad is not None and torch.isfinite(conv.weight.grad).all()
+
+
+def test_builds_unused_for_a_month_are_pruned_and_recent_ones_kept(tmp_path):
+    now = 1_000_000_000.0
+    day = 86400
+    keep = tmp_path / "conv_weight_grad-new.so"
+    stale = tmp_path / "conv_weight_grad-old.so"
+    recent = tmp_path / "conv_weight_grad-other-compiler.so"
+    unrelated = tmp_path / "notes.txt"
+    for path, age_days in [(keep, 100), (stale, kernels.STALE_DAYS + 1), (recent, kernels.STALE_DAYS - 1),
+                           (unrelated, 365)]:
+        path.write_bytes(b"x")
+        os.utime(path, (now - age_days * day, now - age_days * day))
+    removed = kernels._prune_stale_builds(tmp_path, keep, now=now)
+    assert removed == [stale]
+    assert keep.exists() and recent.exists() and unrelated.exists() and not stale.exists()
 
 
 @needs_kernel

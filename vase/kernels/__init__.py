@@ -8,6 +8,8 @@ uses oneDNN. `status()` says which, and why.
 
 The shared library is cached under $VASE_CACHE_DIR (default: ~/.cache/vase), named by a hash of
 the source, the flags and the compiler, and written atomically, so parallel grid workers share one.
+Loading a build marks it as used (its modification time); builds nobody has loaded for
+STALE_DAYS, left behind by older sources or compilers, are deleted when a new one is compiled.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -29,6 +32,9 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
 CACHE_ENV = "VASE_CACHE_DIR"
 # The smallest input maps we measured the kernel on (8x8, batch 64: 3.2 ms against oneDNN's 4.3).
 MIN_INPUT_SIZE = 8
+# Builds unused for this long are removed when another is compiled (each is about 20 KB, but a
+# cache shared by many checkouts and compilers would otherwise only grow).
+STALE_DAYS = 30
 
 
 class _Library(NamedTuple):
@@ -50,6 +56,20 @@ def _openmp_runtimes() -> set[str]:
     return {line.split()[-1] for line in maps if any(k in line for k in ("libgomp", "libiomp", "libomp"))}
 
 
+def _prune_stale_builds(cache: Path, keep: Path, now: float | None = None) -> list[Path]:
+    """Delete the builds in `cache` other than `keep` that nobody has loaded for STALE_DAYS."""
+    cutoff = (time.time() if now is None else now) - STALE_DAYS * 86400
+    removed = []
+    for old in cache.glob("conv_weight_grad-*.so"):
+        try:
+            if old != keep and old.stat().st_mtime < cutoff:
+                old.unlink()
+                removed.append(old)
+        except OSError:  # another process removed or replaced it first
+            pass
+    return removed
+
+
 def _compile(compiler: str, target: Path) -> str | None:
     """Compile SOURCE into `target` (atomically); an error message, or None."""
     try:
@@ -63,6 +83,7 @@ def _compile(compiler: str, target: Path) -> str | None:
         if done.returncode != 0:
             return f"{compiler} failed: {done.stderr.strip()[-300:]}"
         os.replace(tmp, target)
+        _prune_stale_builds(target.parent, target)
         return None
     except (OSError, subprocess.SubprocessError) as e:
         return f"{compiler} could not run: {e}"
@@ -96,6 +117,10 @@ def _library() -> _Library:
         if error:
             return _Library(None, f"off ({error})")
     before = _openmp_runtimes()
+    try:
+        os.utime(target)  # in use: keeps it from being pruned as stale
+    except OSError:
+        pass
     try:
         lib = ctypes.CDLL(str(target))
     except OSError as e:
