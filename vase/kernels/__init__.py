@@ -98,8 +98,8 @@ def _library() -> _Library:
         return _Library(None, "off (not Linux)")
     capability = torch.backends.cpu.get_cpu_capability()
     if capability != "AVX2":
-        # Written and measured for AVX2 (8-float registers). On AVX-512 CPUs oneDNN runs 16-float
-        # kernels and is likely faster than this one; we have not measured one.
+        # Written for AVX2 (8-float registers). On an AVX-512 machine, with PyTorch forced to AVX2,
+        # it made the paper step x0.96-1.00 as fast as oneDNN's AVX-512 gradients (docs/benchmarks.md).
         return _Library(None, f"off (written for AVX2 CPUs; PyTorch reports {capability})")
     if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
         return _Library(None, "off (PyTorch does not use OpenMP here)")
