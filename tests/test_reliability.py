@@ -460,3 +460,45 @@ def test_probes_do_not_change_training(tmp_path, sprite_data):
         for key, value in a[part].items():
             assert (torch.equal(value, b[part][key]) if torch.is_tensor(value) else value == b[part][key]), key
     assert "probes" in read_results(with_probes) and "probes" not in read_results(without)
+
+
+def test_ctrl_c_stops_the_run_between_two_steps_and_prints_how_to_resume(tmp_path, sprite_data, monkeypatch):
+    """SIGINT during a step finishes that step, then stops the run at the step boundary (never
+    inside a library's critical section), with the resume line; a second SIGINT is not needed."""
+    from vase.learner import Learner
+
+    started, finished = [], []
+    real_step = Learner.training_step
+
+    def interrupted_step(self, x):
+        started.append(self.step)
+        if len(started) == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # arrives before the step's own work
+        out = real_step(self, x)
+        finished.append(self.step)
+        return out
+
+    monkeypatch.setattr(Learner, "training_step", interrupted_step)
+    before = signal.getsignal(signal.SIGINT)
+    run = tmp_path / "run"
+    result = CliRunner().invoke(main, tiny_args(run, sprite_data, steps=10) + ["--sequence", "moving_shapes_a"])
+    assert result.exit_code == 130, result.output
+    assert f"interrupted; resume with: vase train --resume {run}" in result.output
+    assert started == [0, 1, 2] and finished == [1, 2, 3]  # the third step completed; no fourth began
+    assert signal.getsignal(signal.SIGINT) is before  # the handler is given back
+
+
+def test_a_second_ctrl_c_interrupts_at_once():
+    from vase.trainer import InterruptBetweenSteps
+
+    interrupt = InterruptBetweenSteps()
+    restore = interrupt.install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert interrupt.requested  # recorded, not raised
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):
+            interrupt.check()
+    finally:
+        restore()

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -28,6 +30,41 @@ from vase.stream import Stream
 from vase.visualize import mask_image, reconstruction_grid, traversal_grid
 
 PANEL = 8  # images per environment in the reconstruction and traversal panels
+
+
+class InterruptBetweenSteps:
+    """Ctrl-C (SIGINT) during training takes effect between two steps, not inside one.
+
+    A KeyboardInterrupt raised at an arbitrary bytecode can land inside a library's critical
+    section, for example inside TensorBoard's event writer, whose close() in the loop's `finally`
+    needs the same locks. In CI a grid run once did not stop within the grid's 30 s grace after
+    its SIGINT and was killed before it printed how to resume; we could not reproduce it, and this
+    is the likely cause. So the handler only records the request, and the loop raises
+    KeyboardInterrupt at the next step boundary, at most one step (or one probe, boundary
+    evaluation or checkpoint) later. A second Ctrl-C interrupts at once, for a user who will not
+    wait. Outside the main thread, where Python cannot install signal handlers, and where SIGINT
+    is ignored (a parent asked for that), nothing changes.
+    """
+
+    def __init__(self):
+        self.requested = False
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def install(self):
+        """Take over SIGINT; returns the function that gives the previous handler back."""
+        if threading.current_thread() is not threading.main_thread() or \
+                signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+            return lambda: None
+        previous = signal.signal(signal.SIGINT, self._handle)
+        return lambda: signal.signal(signal.SIGINT, previous)
+
+    def check(self) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
 
 
 def run_dir_for(cfg: Config, run_dir: str | None, root: str = "runs") -> Path:
@@ -163,8 +200,11 @@ class Trainer:
         total = self.stream.total_steps
         began = time.perf_counter() - self.record.wall_time
         bar = tqdm(total=total, initial=start, disable=not self.progress, desc="vase train", unit="step")
+        interrupt = InterruptBetweenSteps()
+        restore_sigint = interrupt.install()
         try:
             for step in range(start, total):
+                interrupt.check()  # a Ctrl-C that came during the previous step stops the run here
                 x = self.stream.batch(step, self.learner.generator)
                 try:
                     out = self.learner.training_step(x)
@@ -189,6 +229,7 @@ class Trainer:
         finally:
             bar.close()
             self.writer.close()
+            restore_sigint()
         results = self.results()
         write_atomic(self.run_dir / "results.json", json.dumps(results, indent=2).encode())
         return results
