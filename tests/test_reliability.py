@@ -488,16 +488,22 @@ def test_ctrl_c_stops_the_run_between_two_steps_and_prints_how_to_resume(tmp_pat
     assert signal.getsignal(signal.SIGINT) is before  # the handler is given back
 
 
-def test_a_second_ctrl_c_interrupts_at_once():
+def test_a_second_ctrl_c_interrupts_at_once_unless_it_is_the_grids_echo_of_the_first(monkeypatch):
+    from vase import trainer
     from vase.trainer import InterruptBetweenSteps
 
+    clock = [100.0]
+    monkeypatch.setattr(trainer.time, "monotonic", lambda: clock[0])
     interrupt = InterruptBetweenSteps()
     restore = interrupt.install()
     try:
         os.kill(os.getpid(), signal.SIGINT)
         assert interrupt.requested  # recorded, not raised
+        clock[0] += 0.01
+        os.kill(os.getpid(), signal.SIGINT)  # `vase grid` forwarding the terminal's Ctrl-C: the same request
+        clock[0] += InterruptBetweenSteps.REPEAT_AFTER_S
         with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)  # the user insists
         with pytest.raises(KeyboardInterrupt):
             interrupt.check()
     finally:

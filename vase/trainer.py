@@ -42,17 +42,23 @@ class InterruptBetweenSteps:
     is the likely cause. So the handler only records the request, and the loop raises
     KeyboardInterrupt at the next step boundary, at most one step (or one probe, boundary
     evaluation or checkpoint) later. A second Ctrl-C interrupts at once, for a user who will not
-    wait. Outside the main thread, where Python cannot install signal handlers, and where SIGINT
+    wait, but only from REPEAT_AFTER_S on: a Ctrl-C in the terminal of `vase grid` reaches its runs
+    directly and again, milliseconds later, from the grid, and that is one request. Outside the
+    main thread, where Python cannot install signal handlers, and where SIGINT
     is ignored (a parent asked for that), nothing changes.
     """
 
+    REPEAT_AFTER_S = 1.0
+
     def __init__(self):
         self.requested = False
+        self._first = 0.0
 
     def _handle(self, signum, frame):
-        if self.requested:
+        if not self.requested:
+            self.requested, self._first = True, time.monotonic()
+        elif time.monotonic() - self._first >= self.REPEAT_AFTER_S:
             raise KeyboardInterrupt
-        self.requested = True
 
     def install(self):
         """Take over SIGINT; returns the function that gives the previous handler back."""
