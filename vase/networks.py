@@ -171,17 +171,16 @@ def _weight_grad(grad, x, weight, transposed: bool, native: bool, want_w: bool, 
     if want_w and native and (swapped or not transposed):
         # The plain conv whose weight gradient this is: for a transposed conv, the swapped one. The
         # bias gradient is summed as the oneDNN routes below sum it, pixel after pixel for plain
-        # convs, so on this machine both settings of model.weight_grad_kernel give the same bits.
+        # convs, so on AVX2 machines both settings of model.weight_grad_kernel give the same bits.
         if swapped:
-            grad_w, grad_b = kernels.conv_weight_grad(grad, x), None
+            grad_w = kernels.conv_weight_grad(grad, x)
+            grad_b = grad.sum((0, 2, 3)) if grad_w is not None and want_b else None
         else:
             grad_w, grad_b = kernels.conv_weight_grad(x, grad, bias=True) or (None, None)
         if grad_w is not None:
             if not weight.is_contiguous(memory_format=_CL):
                 grad_w = grad_w.contiguous()
-            if not want_b:
-                return grad_w, None
-            return grad_w, grad.sum((0, 2, 3)) if swapped else grad_b
+            return grad_w, grad_b if want_b else None
     if (not transposed and weight.shape[1] == 1) or swapped:
         grad_b = grad.sum((0, 2, 3)) if want_b else None
         if swapped and weight.shape[1] > 1:
