@@ -105,3 +105,21 @@ def test_latent_use_tells_information_from_a_constant_shift():
     assert row["factor_latents"]["x"][0] == [1, round(r_mean * (4 / 5) ** 0.5, 3)]
     assert row["factor_latents"]["y"][0] == [0, 0.0]
     assert set(row["factor_latents"]) == {"x", "y"}  # never the class
+
+
+def test_summary_warns_of_an_environment_whose_slot_carries_no_information():
+    from vase.report import summary_text
+
+    def row(env, informative):
+        return {"true_env": env, "slot": 0, "used_in_training": [0], "masked": [], "active": [0, 1],
+                "kl_per_latent": [1.0, 2.0], "informative": informative}
+
+    results = {"ablation": "SDA", "mode": "disentangled", "preset": "cpu", "steps": 1, "wall_time_s": 1.0,
+               "environments_inferred": 2, "environments_true": 2, "inferred_vs_true": [],
+               "latent_use": [row("moving_fashion", [1]), row("mnist", [])]}
+    text = summary_text(results, Path("run"))
+    assert "warning: no latent carries information for mnist at the end" in text
+    results["latent_use"][1]["informative"] = [0]
+    assert "warning" not in summary_text(results, Path("run"))
+    del results["latent_use"][1]["informative"]  # results from before the field: no verdict
+    assert "warning" not in summary_text(results, Path("run"))

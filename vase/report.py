@@ -54,6 +54,15 @@ def summary_text(results: dict, run_dir: Path) -> str:
                     for name, pairs in row["factor_latents"].items()
                 )
                 lines.append(f"  {'':<18} strongest latents per factor (|r| of the posterior sample): {strongest}")
+        # A slot can meet its capacity target with means shifted alike for every image: KL without
+        # information (docs/calibration.md). With none informative, the representation of that
+        # environment has collapsed, whatever the loss curve says; say so where it is read.
+        empty = [row["true_env"] for row in use if row.get("informative") == []]
+        if empty:
+            lines.append(
+                f"  warning: no latent carries information for {', '.join(empty)} at the end (posterior "
+                "collapse: the slot's KL is shifted means, not information)"
+            )
     probes = results.get("probes")
     if probes:
         from vase.metrics.continual import format_table1_row, table1_header
