@@ -364,3 +364,36 @@ def test_failed_runs_make_the_grid_exit_with_one_error_line_naming_their_logs(tm
     assert errors == [f"Error: 2 of 2 runs failed; their logs are in {root / 'logs'}; run the same command again to "
                       "retry them"]
     assert not (root / "table1.txt").exists()
+
+
+def test_stopping_runs_interrupts_them_all_at_once_and_kills_the_deaf_after_one_grace(tmp_path):
+    import subprocess
+
+    from vase.grid_backends import stop_children
+
+    # Two runs that ignore SIGINT (as a run stuck in a blocking call would) and one that obeys it.
+    deaf = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    obeys = "import time; print('up', flush=True); time.sleep(60)"
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+             for code in (deaf, deaf, obeys)]
+    for proc in procs:
+        assert proc.stdout.readline() == "up\n"  # handlers installed before the signal comes
+    waits = []
+    real_wait = subprocess.Popen.wait
+
+    def recording_wait(self, timeout=None):
+        waits.append(timeout)
+        return real_wait(self, timeout)
+
+    subprocess.Popen.wait = recording_wait
+    try:
+        stop_children(procs, grace_s=1.0)
+    finally:
+        subprocess.Popen.wait = real_wait
+    for proc in procs:
+        proc.stdout.close()
+    # Killed, killed, and ended by its SIGINT (Python exits through the signal after KeyboardInterrupt).
+    assert [proc.returncode for proc in procs] == [-signal.SIGKILL, -signal.SIGKILL, -signal.SIGINT]
+    # One grace period in all: the second deaf run is not given a second full second of its own.
+    budgets = [w for w in waits if w is not None]
+    assert budgets[0] <= 1.0 and budgets[1] <= 0.05 and budgets[2] <= 0.05

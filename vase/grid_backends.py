@@ -122,7 +122,7 @@ def execute(job: Job, driver_host: str, command: list[str] | None = None,
             while (code := proc.poll()) is None:
                 time.sleep(POLL_S)
         except KeyboardInterrupt:  # Ray's cancel: let the run stop (it keeps its checkpoints), then go
-            stop_child(proc)
+            stop_children([proc])
             raise
     outcome = Outcome(code, time.perf_counter() - t0, host, _tail(log))
     if remote:
@@ -132,16 +132,19 @@ def execute(job: Job, driver_host: str, command: list[str] | None = None,
     return outcome
 
 
-def stop_child(proc: subprocess.Popen) -> None:
-    """SIGINT (the run prints how to resume and exits), then SIGKILL if it does not end in time."""
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+def stop_children(procs: list[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGINT every run at once (each prints how to resume and exits), then SIGKILL whichever has not
+    ended grace_s later: a grid of N stuck runs stops within one grace period, not N in turn."""
+    live = [proc for proc in procs if proc.poll() is None]
+    for proc in live:
+        proc.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + grace_s
+    for proc in live:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def receive(job: Job, outcome: Outcome) -> None:
@@ -188,8 +191,7 @@ class LocalBackend:
                 fut.cancel()
             with self._lock:
                 live = list(self._live)
-            for proc in live:
-                stop_child(proc)
+            stop_children(live)
             raise
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
