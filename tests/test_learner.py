@@ -169,3 +169,31 @@ def test_without_s_a_does_not_mask_latents_while_they_are_learnt():
     lrn.masks.alpha[0, 2] = 1.0
     lrn.training_step(squares(16, gen, 1))
     assert lrn.masks.mask(0).tolist() == [1.0, 1.0, 0.0, 1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("ramp", [0, 100])
+def test_a_new_environment_starts_its_capacity_from_the_kl_it_carries(ramp):
+    """objective.new_env_ramp_steps: a slot allocated when C(t) is high starts its target from its
+    own KL and climbs C_max / ramp per step; with 0 it must meet C(t) at once (eq. 3 read literally)."""
+    lrn = learner("SDA", ["objective.capacity_ramp_steps=10", "objective.capacity_max=25",
+                          f"objective.new_env_ramp_steps={ramp}"])
+    x = squares(16, torch.Generator().manual_seed(0), 0)
+    for _ in range(12):  # the first environment follows C(t), which reaches C_max at step 10
+        out = lrn.training_step(x)
+        assert out.extra["capacity"] == pytest.approx(min(25.0, 2.5 * out.step))
+    infer = lrn.inference.infer
+    lrn.inference.infer = lambda t, *args: lrn.inference._allocate(t, 1, "new", ["reconstruction"])
+    out = lrn.training_step(x)  # step 12: a second environment
+    lrn.inference.infer = infer
+    assert out.decision.env == 1 and lrn.capacity_starts[1][0] == 12
+    start_kl = lrn.capacity_starts[1][1]
+    assert start_kl == pytest.approx(out.losses["kl"], rel=1e-6) and start_kl < 20.0
+    assert out.extra["capacity"] == (pytest.approx(start_kl) if ramp else 25.0)
+    nxt = lrn.training_step(x)
+    assert nxt.decision.env == 1
+    assert nxt.extra["capacity"] == (pytest.approx(start_kl + 0.25) if ramp else 25.0)
+    # The ramp survives a checkpoint: a restored learner computes the same target.
+    restored = learner("SDA", ["objective.capacity_ramp_steps=10", "objective.capacity_max=25",
+                               f"objective.new_env_ramp_steps={ramp}"])
+    restored.load_state_dict(lrn.state_dict())
+    assert restored.capacity_starts == lrn.capacity_starts

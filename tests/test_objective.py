@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from vase.config import ObjectiveConfig
-from vase.objective import capacity, kl_per_latent, masked_kl, masked_sample, mdl_loss, reconstruction_nll
+from vase.objective import capacity, environment_capacity, kl_per_latent, masked_kl, masked_sample, mdl_loss, reconstruction_nll
 
 
 def test_kl_of_standard_normal_posterior_is_zero():
@@ -37,6 +37,19 @@ def test_capacity_schedule_is_linear_then_flat():
     assert capacity(100, cfg) == 25.0
     assert capacity(10_000, cfg) == 25.0
     assert capacity(7, ObjectiveConfig(capacity_ramp_steps=0, capacity_max=3.0)) == 3.0
+
+
+def test_a_new_environment_ramps_its_own_capacity_from_the_kl_it_carries():
+    cfg = ObjectiveConfig(capacity_max=25.0, capacity_ramp_steps=3000, new_env_ramp_steps=0)
+    assert environment_capacity(4500, (4000, 2.0), cfg) == 25.0  # off: C(t), eq. 3 read literally
+    cfg.new_env_ramp_steps = 1000
+    assert environment_capacity(4000, (4000, 2.0), cfg) == 2.0
+    assert environment_capacity(4500, (4000, 2.0), cfg) == pytest.approx(2.0 + 12.5)
+    assert environment_capacity(5000, (4000, 2.0), cfg) == 25.0  # never above C(t)
+    assert environment_capacity(2000, (1900, 30.0), cfg) == pytest.approx(25.0 * 2000 / 3000)
+    assert environment_capacity(300, None, cfg) == pytest.approx(2.5)  # the first environment: C(t)
+    recon, kl = torch.tensor([100.0]), torch.tensor([20.0])
+    assert float(mdl_loss(recon, kl, 4500, cfg, target=14.5)) == pytest.approx(100.0 + 100.0 * 5.5)
 
 
 def test_mdl_loss_disentangled_and_entangled():

@@ -98,6 +98,12 @@ class ObjectiveConfig:
     # information and aggregate-posterior shift (KL = I(x;z) + alpha); the paper assumes
     # E_x q(z|x) ~ p(z) after training (§3.3). 0 is the paper's eq. 3.
     aggregate_weight: float = 0.0
+    # [ours] A newly allocated environment's own capacity ramp, in steps from 0 to C_max: its
+    # target starts from the KL it carries when allocated and climbs at this slope, never above
+    # C(t). Without it (0, eq. 3 read literally) a new environment whose known latents are masked
+    # must find C(t) nats at once, and on the digits one did so by collapsing the shared encoder
+    # (docs/calibration.md). The first environment follows C(t) itself.
+    new_env_ramp_steps: int = 1000
 
 
 @dataclass
@@ -259,6 +265,8 @@ class Config:
             errs.append("objective.mode must be 'disentangled' or 'entangled'")
         if self.objective.capacity_ramp_steps < 0:
             errs.append("objective.capacity_ramp_steps must be >= 0")
+        if self.objective.new_env_ramp_steps < 0:
+            errs.append("objective.new_env_ramp_steps must be >= 0")
         if not 0.0 <= self.mask.ema < 1.0 or not 0.0 <= self.inference.error_ema < 1.0:
             errs.append("mask.ema and inference.error_ema must be in [0, 1)")
         if self.inference.kappa <= 0 or self.inference.error_margin < 0:

@@ -19,7 +19,7 @@ from vase.errors import NumericalError
 from vase.inference import Decision, EnvironmentInference
 from vase.masking import LatentMasks, atypicality, information
 from vase.networks import VAE, EnvironmentClassifier, Posterior
-from vase.objective import (capacity, kl_per_latent, masked_kl, masked_sample, mdl_loss, prior_where_masked,
+from vase.objective import (environment_capacity, kl_per_latent, masked_kl, masked_sample, mdl_loss, prior_where_masked,
                             reconstruction_nll)
 
 
@@ -56,6 +56,9 @@ class Learner:
                                                      fused=FUSED_ADAM)
         self.masks = LatentMasks(m.k_max, m.latents, cfg.mask)
         self.inference = EnvironmentInference(cfg.inference, m.k_max, m.latents, use_masks=cfg.mask.enabled)
+        # Per environment slot after the first: (step allocated, KL carried then), for
+        # objective.new_env_ramp_steps.
+        self.capacity_starts: dict[int, tuple[int, float]] = {}
         self.step = 0
 
     # -- the pieces of eq. 8 ------------------------------------------------------------------------
@@ -127,9 +130,12 @@ class Learner:
 
         # MDL on current data (eq. 3) with the masked posterior (eq. 2).
         kl = masked_kl(real.mu, real.logvar, mask)
+        if decision.verdict == "new":  # the first environment is C(t)'s own
+            self.capacity_starts[s] = (t, float(kl.detach().mean()))
+        target = environment_capacity(t, self.capacity_starts.get(s), cfg.objective)
         atypical = atypicality(*prior_where_masked(real.mu, real.logvar, mask)).sum() if cfg.objective.aggregate_weight \
             else None
-        loss_mdl = mdl_loss(recon, kl, t, cfg.objective, atypical)
+        loss_mdl = mdl_loss(recon, kl, t, cfg.objective, atypical, target)
         losses = {"reconstruction": recon.mean(), "kl": kl.mean(), "mdl": loss_mdl}
         loss = loss_mdl
         # Dreaming feedback on past data (eq. 7).
@@ -167,7 +173,7 @@ class Learner:
             kl_per_latent=kl_batch,
             alpha=alpha,
             mask=mask,
-            extra={"capacity": capacity(t, cfg.objective)},
+            extra={"capacity": target},
         )
 
     def _train_classifier(self, logits: torch.Tensor, env: int, batch: int, dreams: Dreams | None) -> float:
@@ -229,6 +235,7 @@ class Learner:
             "classifier_optimizer": self.classifier_optimizer.state_dict(),
             "masks": self.masks.state_dict(),
             "inference": self.inference.state_dict(),
+            "capacity_starts": dict(self.capacity_starts),
             "generator": self.generator.get_state(),
             "torch_rng": torch.get_rng_state(),
         }
@@ -242,5 +249,6 @@ class Learner:
         self.classifier_optimizer.load_state_dict(d["classifier_optimizer"])
         self.masks.load_state_dict(d["masks"])
         self.inference.load_state_dict(d["inference"])
+        self.capacity_starts = dict(d.get("capacity_starts", {}))  # absent in checkpoints from before it
         self.generator.set_state(d["generator"])
         torch.set_rng_state(d["torch_rng"])

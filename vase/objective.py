@@ -57,9 +57,25 @@ def capacity(step: int, cfg: ObjectiveConfig) -> float:
     return cfg.capacity_max * min(1.0, step / cfg.capacity_ramp_steps)
 
 
+def environment_capacity(step: int, start: tuple[int, float] | None, cfg: ObjectiveConfig) -> float:
+    """The capacity target of an environment allocated at step t_s carrying KL_s nats then, start = (t_s, KL_s).
+
+    With objective.new_env_ramp_steps = R > 0 [ours]: min(C(t), KL_s + C_max (t - t_s) / R), so a new
+    environment whose known latents are masked grows its capacity as the first one did instead of
+    meeting C(t) at once. With R = 0, and for the first environment (start None), it is C(t), eq. 3.
+    """
+    target = capacity(step, cfg)
+    if cfg.new_env_ramp_steps == 0 or start is None:
+        return target
+    t_s, kl_s = start
+    return min(target, kl_s + cfg.capacity_max * (step - t_s) / cfg.new_env_ramp_steps)
+
+
 def mdl_loss(recon: torch.Tensor, kl: torch.Tensor, step: int, cfg: ObjectiveConfig,
-             atypical: torch.Tensor | None = None) -> torch.Tensor:
+             atypical: torch.Tensor | None = None, target: float | None = None) -> torch.Tensor:
     """Eq. 3: E[-log p(x|z,s)] + gamma |KL - C(t)|, means over the batch.
+
+    `target`: the environment's own capacity target (`environment_capacity`) in place of C(t).
 
     The paper typesets the capacity term with a square in eq. 8; we follow Burgess et al. and the
     spec (§3) with the absolute value. The entangled baseline is the plain VAE (beta = 1).
@@ -69,7 +85,8 @@ def mdl_loss(recon: torch.Tensor, kl: torch.Tensor, step: int, cfg: ObjectiveCon
     """
     if cfg.mode == "entangled":
         return recon.mean() + kl.mean()
-    loss = recon.mean() + cfg.gamma * (kl.mean() - capacity(step, cfg)).abs()
+    target = capacity(step, cfg) if target is None else target
+    loss = recon.mean() + cfg.gamma * (kl.mean() - target).abs()
     if cfg.aggregate_weight and atypical is not None:
         loss = loss + cfg.gamma * cfg.aggregate_weight * atypical
     return loss
