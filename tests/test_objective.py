@@ -122,3 +122,18 @@ def test_a_masked_latent_that_drifted_to_overflow_adds_nothing_and_poisons_nothi
     (kl.sum() + alpha.sum()).backward()
     assert torch.isfinite(mu.grad).all() and torch.isfinite(logvar.grad).all()
     assert torch.all(mu.grad[:, 1] == 0) and torch.all(logvar.grad[:, 1] == 0)
+
+
+def test_runs_from_before_the_new_environment_ramp_resume_without_it(tmp_path):
+    import json
+
+    from vase.config import build_config, load_run_config
+
+    assert build_config("cpu").objective.new_env_ramp_steps == 1000
+    d = build_config("cpu").to_dict()
+    del d["objective"]["new_env_ramp_steps"]
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    assert load_run_config(tmp_path).objective.new_env_ramp_steps == 0  # as they were trained
+    d["objective"]["new_env_ramp_steps"] = 1000
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    assert load_run_config(tmp_path).objective.new_env_ramp_steps == 1000

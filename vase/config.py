@@ -400,4 +400,7 @@ def load_run_config(run_dir: Path) -> Config:
     # they resume with them (on machines where the two routes differ in the last bits, it matters).
     if isinstance(d.get("model"), dict):
         d["model"].setdefault("weight_grad_kernel", "onednn")
+    # Runs written before objective.new_env_ramp_steps existed gave every environment C(t) at once.
+    if isinstance(d.get("objective"), dict):
+        d["objective"].setdefault("new_env_ramp_steps", 0)
     return Config.from_dict(d).validate()
