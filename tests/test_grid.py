@@ -366,7 +366,7 @@ def test_failed_runs_make_the_grid_exit_with_one_error_line_naming_their_logs(tm
     assert not (root / "table1.txt").exists()
 
 
-def test_stopping_runs_interrupts_them_all_at_once_and_kills_the_deaf_after_one_grace(tmp_path):
+def test_stopping_runs_interrupts_them_all_at_once_and_kills_the_deaf_after_one_grace(monkeypatch):
     import subprocess
 
     from vase.grid_backends import stop_children
@@ -385,11 +385,8 @@ def test_stopping_runs_interrupts_them_all_at_once_and_kills_the_deaf_after_one_
         waits.append(timeout)
         return real_wait(self, timeout)
 
-    subprocess.Popen.wait = recording_wait
-    try:
-        stop_children(procs, grace_s=1.0)
-    finally:
-        subprocess.Popen.wait = real_wait
+    monkeypatch.setattr(subprocess.Popen, "wait", recording_wait)
+    stop_children(procs, grace_s=1.0)
     for proc in procs:
         proc.stdout.close()
     # Killed, killed, and ended by its SIGINT (Python exits through the signal after KeyboardInterrupt).

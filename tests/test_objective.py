@@ -1,10 +1,11 @@
 """Eq. 3 and eq. 2 against analytic values."""
+import json
 import math
 
 import pytest
 import torch
 
-from vase.config import ObjectiveConfig
+from vase.config import ObjectiveConfig, build_config, load_run_config
 from vase.objective import capacity, environment_capacity, kl_per_latent, masked_kl, masked_sample, mdl_loss, reconstruction_nll
 
 
@@ -49,27 +50,27 @@ def test_a_new_environment_ramps_its_own_capacity_from_the_kl_it_carries():
     assert environment_capacity(2000, (1900, 30.0), cfg) == pytest.approx(25.0 * 2000 / 3000)
     assert environment_capacity(300, None, cfg) == pytest.approx(2.5)  # the first environment: C(t)
     recon, kl = torch.tensor([100.0]), torch.tensor([20.0])
-    assert float(mdl_loss(recon, kl, 4500, cfg, target=14.5)) == pytest.approx(100.0 + 100.0 * 5.5)
+    assert float(mdl_loss(recon, kl, 14.5, cfg)) == pytest.approx(100.0 + 100.0 * 5.5)
 
 
 def test_mdl_loss_disentangled_and_entangled():
     recon, kl = torch.tensor([100.0, 200.0]), torch.tensor([10.0, 20.0])
     cfg = ObjectiveConfig(gamma=2.0, capacity_max=25.0, capacity_ramp_steps=100)
     # step 40: C = 10; mean KL 15 -> 150 + 2 * |15 - 10|
-    assert float(mdl_loss(recon, kl, 40, cfg)) == pytest.approx(160.0)
+    assert float(mdl_loss(recon, kl, capacity(40, cfg), cfg)) == pytest.approx(160.0)
     cfg.mode = "entangled"
-    assert float(mdl_loss(recon, kl, 40, cfg)) == pytest.approx(165.0)
+    assert float(mdl_loss(recon, kl, capacity(40, cfg), cfg)) == pytest.approx(165.0)
 
 
 def test_aggregate_penalty_is_off_by_default_and_weighted_in_units_of_gamma():
     recon, kl = torch.tensor([100.0, 200.0]), torch.tensor([10.0, 20.0])
     cfg = ObjectiveConfig(gamma=2.0, capacity_max=25.0, capacity_ramp_steps=100)
     atypical = torch.tensor(3.0)
-    assert float(mdl_loss(recon, kl, 40, cfg, atypical)) == pytest.approx(160.0)  # the paper's eq. 3
+    assert float(mdl_loss(recon, kl, capacity(40, cfg), cfg, atypical)) == pytest.approx(160.0)  # the paper's eq. 3
     cfg.aggregate_weight = 0.5
-    assert float(mdl_loss(recon, kl, 40, cfg, atypical)) == pytest.approx(160.0 + 2.0 * 0.5 * 3.0)
+    assert float(mdl_loss(recon, kl, capacity(40, cfg), cfg, atypical)) == pytest.approx(160.0 + 2.0 * 0.5 * 3.0)
     cfg.mode = "entangled"
-    assert float(mdl_loss(recon, kl, 40, cfg, atypical)) == pytest.approx(165.0)
+    assert float(mdl_loss(recon, kl, capacity(40, cfg), cfg, atypical)) == pytest.approx(165.0)
 
 
 def test_aggregate_penalty_pulls_a_shifted_latent_back_and_leaves_an_informative_one_alone():
@@ -125,10 +126,6 @@ def test_a_masked_latent_that_drifted_to_overflow_adds_nothing_and_poisons_nothi
 
 
 def test_runs_from_before_the_new_environment_ramp_resume_without_it(tmp_path):
-    import json
-
-    from vase.config import build_config, load_run_config
-
     assert build_config("cpu").objective.new_env_ramp_steps == 1000
     d = build_config("cpu").to_dict()
     del d["objective"]["new_env_ramp_steps"]

@@ -47,7 +47,7 @@ from vase.errors import ConfigError
 from vase import learner as learner_module
 from vase.learner import Learner
 from vase.networks import IMAGE_SIZE, Decoder, Encoder, EnvironmentClassifier, he_init, use_implementation
-from vase.objective import kl_per_latent, mdl_loss
+from vase.objective import capacity, kl_per_latent, mdl_loss
 from vase.stream import Stream
 
 # The targets (docs/benchmarks.md explains each).
@@ -316,7 +316,8 @@ class ReferenceStep:
         onehot[:, 0] = 1.0
         logits = self.model.decoder(torch.cat([z, onehot], dim=1))
         recon = F.binary_cross_entropy_with_logits(logits, x, reduction="none").flatten(1).sum(1)
-        loss = mdl_loss(recon, kl_per_latent(mu, logvar).sum(1), self.step, self.cfg.objective)
+        loss = mdl_loss(recon, kl_per_latent(mu, logvar).sum(1), capacity(self.step, self.cfg.objective),
+                        self.cfg.objective)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()

@@ -135,7 +135,7 @@ class Learner:
         target = environment_capacity(t, self.capacity_starts.get(s), cfg.objective)
         atypical = atypicality(*prior_where_masked(real.mu, real.logvar, mask)).sum() if cfg.objective.aggregate_weight \
             else None
-        loss_mdl = mdl_loss(recon, kl, t, cfg.objective, atypical, target)
+        loss_mdl = mdl_loss(recon, kl, target, cfg.objective, atypical)
         losses = {"reconstruction": recon.mean(), "kl": kl.mean(), "mdl": loss_mdl}
         loss = loss_mdl
         # Dreaming feedback on past data (eq. 7).

@@ -71,11 +71,11 @@ def environment_capacity(step: int, start: tuple[int, float] | None, cfg: Object
     return min(target, kl_s + cfg.capacity_max * (step - t_s) / cfg.new_env_ramp_steps)
 
 
-def mdl_loss(recon: torch.Tensor, kl: torch.Tensor, step: int, cfg: ObjectiveConfig,
-             atypical: torch.Tensor | None = None, target: float | None = None) -> torch.Tensor:
-    """Eq. 3: E[-log p(x|z,s)] + gamma |KL - C(t)|, means over the batch.
+def mdl_loss(recon: torch.Tensor, kl: torch.Tensor, target: float, cfg: ObjectiveConfig,
+             atypical: torch.Tensor | None = None) -> torch.Tensor:
+    """Eq. 3: E[-log p(x|z,s)] + gamma |KL - C|, means over the batch.
 
-    `target`: the environment's own capacity target (`environment_capacity`) in place of C(t).
+    `target`: C in nats, C(t) (`capacity`) or the environment's own target (`environment_capacity`).
 
     The paper typesets the capacity term with a square in eq. 8; we follow Burgess et al. and the
     spec (§3) with the absolute value. The entangled baseline is the plain VAE (beta = 1).
@@ -85,7 +85,6 @@ def mdl_loss(recon: torch.Tensor, kl: torch.Tensor, step: int, cfg: ObjectiveCon
     """
     if cfg.mode == "entangled":
         return recon.mean() + kl.mean()
-    target = capacity(step, cfg) if target is None else target
     loss = recon.mean() + cfg.gamma * (kl.mean() - target).abs()
     if cfg.aggregate_weight and atypical is not None:
         loss = loss + cfg.gamma * cfg.aggregate_weight * atypical
