@@ -19,7 +19,7 @@ from vase.metrics.continual import (
     value_at,
 )
 from vase.metrics.disentanglement import dci, dci_completeness, dci_disentanglement, factor_labels, mig
-from vase.metrics.plots import atypicality_figure, probe_curves_figure
+from vase.metrics.plots import atypicality_figure, latent_use_figure, latent_use_matrix, probe_curves_figure
 from vase.metrics.probes import object_id_accuracy, position_mse
 
 # ---------------------------------------------------------------------------------------------
@@ -271,3 +271,25 @@ def test_atypicality_figure_is_an_rgb_image():
     steps = np.arange(50)
     alpha = np.abs(np.random.default_rng(0).normal(size=(50, 6))) * np.linspace(0.1, 5, 6)
     _assert_image(atypicality_figure(steps, alpha, 0.5, 1.5, [20, 40]))
+
+
+def _use_rows():
+    info = [[3.0, 0.05, 2.0, 0.0], [0.2, 1.5, 2.5, 0.0]]
+    return [{"true_env": "a", "slot": 0, "info_per_latent": info[0], "masked": []},
+            {"true_env": "b", "slot": 1, "info_per_latent": info[1], "masked": [0]}]
+
+
+def test_latent_use_matrix_blanks_what_the_slot_masks():
+    m = latent_use_matrix(_use_rows())
+    assert m.shape == (2, 4)
+    assert np.isnan(m[1, 0]) and np.isnan(m).sum() == 1
+    np.testing.assert_allclose(m[0], [3.0, 0.05, 2.0, 0.0])
+    np.testing.assert_allclose(m[1, 1:], [1.5, 2.5, 0.0])
+
+
+def test_latent_use_figure_is_an_rgb_image_that_shows_the_mask():
+    rows = _use_rows()
+    img = latent_use_figure(rows, 0.1)
+    _assert_image(img)
+    rows[0]["masked"] = [2]
+    assert not np.array_equal(img, latent_use_figure(rows, 0.1))

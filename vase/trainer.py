@@ -363,7 +363,11 @@ class Trainer:
         self._log_figures(step)
 
     def _log_figures(self, step: int) -> None:
-        from vase.metrics.plots import atypicality_figure, probe_curves_figure
+        from vase.metrics.plots import atypicality_figure, latent_use_figure, probe_curves_figure
+
+        rows = self.latent_use([row["inferred_env"] for row in self.inferred_environments()])
+        fig = latent_use_figure(rows, self.cfg.inference.used_kl)
+        self.writer.add_image("figures/latent_use", fig, step, dataformats="HWC")
 
         ends = self.stream.ends
         if self.record.alpha:

@@ -1,4 +1,5 @@
-"""Figures for TensorBoard as RGB uint8 arrays (H, W, 3): probe curves and atypicality (Fig. 2 bottom).
+"""Figures for TensorBoard as RGB uint8 arrays (H, W, 3): probe curves, atypicality and latent use
+(Fig. 2 bottom).
 
 Figures are drawn on their own Agg canvas (``matplotlib.figure.Figure`` + ``FigureCanvasAgg``)
 rather than through pyplot, so they work headless and never touch pyplot's global figure state or
@@ -71,6 +72,43 @@ def atypicality_figure(
     ax.set_xlabel("step")
     ax.set_ylabel("atypicality α")
     ax.set_title(f"atypicality per latent (λ1={lambda_low:g}, λ2={lambda_high:g})")
+    return figure_to_rgb(fig)
+
+
+def latent_use_matrix(rows: Sequence[dict]) -> np.ndarray:
+    """(E, N) information per latent, in nats, of each row of `Trainer.latent_use`, with the latents
+    its slot masks set to NaN: a masked latent feeds prior noise (eq. 2), so it carries nothing
+    there whatever the encoder says."""
+    info = np.array([row["info_per_latent"] for row in rows], dtype=np.float64)
+    for e, row in enumerate(rows):
+        info[e, row["masked"]] = np.nan
+    return info
+
+
+def latent_use_figure(rows: Sequence[dict], used_kl: float) -> np.ndarray:
+    """The paper's latent-use picture (§4.1, Fig. 2): environments by latents, each cell the
+    information the latent carries on that environment's held-out images under its slot. Masked
+    cells are crossed; the count in the title is of latents above `used_kl` anywhere. Values are
+    printed where they reach 0.5 nat, so the weak tail reads apart from the real factors."""
+    info = latent_use_matrix(rows)
+    fig = Figure(figsize=(FIGSIZE[0], 1.2 + 0.45 * len(rows)), dpi=DPI)
+    ax = fig.subplots()
+    image = ax.imshow(np.nan_to_num(info, nan=0.0), cmap="Greens", vmin=0.0, vmax=max(1.0, np.nanmax(info)),
+                      aspect="auto")
+    for e, n in zip(*np.nonzero(np.isnan(info))):
+        ax.plot(n, e, marker="x", color="red", markersize=6)
+    for e, n in zip(*np.nonzero(np.nan_to_num(info) >= 0.5)):
+        ax.text(n, e, f"{info[e, n]:.1f}", ha="center", va="center", fontsize=5.5,
+                color="white" if info[e, n] > 0.6 * np.nanmax(info) else "black")
+    ax.set_xticks(range(info.shape[1]))
+    ax.set_xticklabels([str(n) for n in range(info.shape[1])], fontsize=6)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([f"{row['true_env']} (slot {row['slot']})" for row in rows], fontsize=7)
+    ax.set_xlabel("latent")
+    used = int((np.nan_to_num(info) > used_kl).any(axis=0).sum())
+    ax.set_title(f"information per latent (nats, KL − α); × masked; {used}/{info.shape[1]} above {used_kl:g}",
+                 fontsize=8)
+    fig.colorbar(image, ax=ax, fraction=0.03)
     return figure_to_rgb(fig)
 
 
