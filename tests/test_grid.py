@@ -127,6 +127,27 @@ def test_plan_tells_new_resumed_and_finished_runs_apart_and_refuses_foreign_ones
     assert (stray / "notes.txt").read_text() == "mine"
 
 
+def test_runs_from_before_the_new_environment_ramp_count_where_the_ramp_cannot_act(tmp_path):
+    # Written before objective.new_env_ramp_steps existed: loaded with 0 (C(t) at once). With S off
+    # no environment is ever allocated, so the "-" run is this grid's run; SDA's is not.
+    spec = tiny_spec(tmp_path / "grid", tmp_path / "data", seeds=(0,))
+    runs = {r.name: r for r in spec.runs()}
+    for name in ("none-disentangled-s0", "SDA-disentangled-s0"):
+        run = runs[name]
+        saved = json.loads(spec.config(run).to_json())
+        del saved["objective"]["new_env_ramp_steps"]
+        run.run_dir.mkdir(parents=True)
+        (run.run_dir / "config.json").write_text(json.dumps(saved))
+        (run.run_dir / "results.json").write_text("{}")
+    with pytest.raises(VaseError, match=r"SDA-disentangled-s0 holds a run with other settings "
+                                        r"\(objective.new_env_ramp_steps: 0 -> 1000\)"):
+        plan(spec)
+    runs["SDA-disentangled-s0"].run_dir.joinpath("config.json").unlink()
+    runs["SDA-disentangled-s0"].run_dir.joinpath("results.json").unlink()
+    status = {run.name: s for run, s in plan(spec)}
+    assert status["none-disentangled-s0"] == DONE and status["SDA-disentangled-s0"] == NEW
+
+
 # -- the backends with stand-in children ------------------------------------------------------------------
 # A stand-in for `python -m cli`: exits with the code given as its last argument, after one line of output.
 STAND_IN = [sys.executable, "-c", "import sys; print('child', *sys.argv[1:]); sys.exit(int(sys.argv[-1]))"]

@@ -206,6 +206,17 @@ class Config:
         self.mask.enabled = "A" in letters
         self.dream.decoder_term = not sd41
 
+    def inert_settings(self) -> set[str]:
+        """Settings this config's training never reads, so two runs differing only there train alike.
+
+        A new environment's capacity ramp acts only at an allocation (S on) and only on the
+        capacity target, which the entangled objective does not have. A grid over runs made before
+        the setting existed (loaded with 0) then still accepts the rows it cannot have changed."""
+        inert = set()
+        if not self.inference.enabled or self.objective.mode == "entangled":
+            inert.add("objective.new_env_ramp_steps")
+        return inert
+
     # -- serialisation -----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -140,14 +140,16 @@ NEW, RESUME, DONE = "new", "resume", "done"
 
 
 def config_differences(saved: Config, wanted: Config) -> list[str]:
-    """'section.field: saved -> wanted' for every setting that differs (where things live excepted)."""
+    """'section.field: saved -> wanted' for every setting that differs (where things live, and
+    settings neither run's training reads, excepted)."""
     a, b = saved.to_dict(), wanted.to_dict()
+    ignored = WHERE_NOT_WHAT | (saved.inert_settings() & wanted.inert_settings())
     out = []
     for section in sorted(set(a) | set(b)):
         sa, sb = a.get(section), b.get(section)
         if isinstance(sa, dict) and isinstance(sb, dict):
             for key in sorted(set(sa) | set(sb)):
-                if f"{section}.{key}" not in WHERE_NOT_WHAT and sa.get(key) != sb.get(key):
+                if f"{section}.{key}" not in ignored and sa.get(key) != sb.get(key):
                     out.append(f"{section}.{key}: {sa.get(key)!r} -> {sb.get(key)!r}")
         elif sa != sb:
             out.append(f"{section}: {sa!r} -> {sb!r}")
