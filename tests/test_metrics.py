@@ -275,8 +275,8 @@ def test_atypicality_figure_is_an_rgb_image():
 
 def _use_rows():
     info = [[3.0, 0.05, 2.0, 0.0], [0.2, 1.5, 2.5, 0.0]]
-    return [{"true_env": "a", "slot": 0, "info_per_latent": info[0], "masked": []},
-            {"true_env": "b", "slot": 1, "info_per_latent": info[1], "masked": [0]}]
+    return [{"true_env": "a", "slot": 0, "info_per_latent": info[0], "masked": [], "informative": [0, 2]},
+            {"true_env": "b", "slot": 1, "info_per_latent": info[1], "masked": [0], "informative": [1, 2]}]
 
 
 def test_latent_use_matrix_blanks_what_the_slot_masks():

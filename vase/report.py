@@ -32,10 +32,10 @@ def summary_text(results: dict, run_dir: Path) -> str:
     use = results.get("latent_use") or []
     if use:
         n = len(use[0]["kl_per_latent"])
-        used = _latent_union(use, "used_in_training")
+        used = latent_union(use, "used_in_training")
         heading = "latent use (information above inference.used_kl):"
         lines.append(heading if used is None else f"{heading} {len(used)}/{n} latents used by some slot while it trained")
-        informative = _latent_union(use, "informative")
+        informative = latent_union(use, "informative")
         if informative is not None:
             lines.append(
                 f"  {len(informative)}/{n} latents carry information (KL minus atypicality above used_kl) "
@@ -116,13 +116,13 @@ def table1_rows(results: list[dict]) -> list[dict]:
             "mode": mode, "ablation": ablation, "sequence": sequence,
             "seeds": [r["seed"] for r in runs], "mean": mean, "std": std,
             "environments_inferred": [r["environments_inferred"] for r in runs],
-            "latents_used": [_count(_latent_union(r.get("latent_use") or [], "used_in_training")) for r in runs],
-            "latents_informative": [_count(_latent_union(r.get("latent_use") or [], "informative")) for r in runs],
+            "latents_used": [_count(latent_union(r.get("latent_use") or [], "used_in_training")) for r in runs],
+            "latents_informative": [_count(latent_union(r.get("latent_use") or [], "informative")) for r in runs],
         })
     return rows
 
 
-def _latent_union(use: list[dict], field: str) -> list[int] | None:
+def latent_union(use: list[dict], field: str) -> list[int] | None:
     """The latents listed under `field` in any slot's latent-use row; None when some row lacks the
     field (results.json of runs from older versions) or there are no rows."""
     if not use or not all(field in row for row in use):

@@ -15,6 +15,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from vase.metrics.continual import ACCURACY, MSE, kind_of
+from vase.report import latent_union
 
 FIGSIZE = (7.0, 5.0)
 DPI = 100
@@ -88,24 +89,25 @@ def latent_use_matrix(rows: Sequence[dict]) -> np.ndarray:
 def latent_use_figure(rows: Sequence[dict], used_kl: float) -> np.ndarray:
     """The paper's latent-use picture (§4.1, Fig. 2): environments by latents, each cell the
     information the latent carries on that environment's held-out images under its slot. Masked
-    cells are crossed; the count in the title is of latents above `used_kl` anywhere. Values are
-    printed where they reach 0.5 nat, so the weak tail reads apart from the real factors."""
+    cells are crossed; the title counts the latents informative (above `used_kl`) in some row, as
+    the run summary does. Values are printed where they reach 0.5 nat, so the weak tail reads apart
+    from the real factors."""
     info = latent_use_matrix(rows)
+    shown, top = np.nan_to_num(info, nan=0.0), np.nanmax(info)
     fig = Figure(figsize=(FIGSIZE[0], 1.2 + 0.45 * len(rows)), dpi=DPI)
     ax = fig.subplots()
-    image = ax.imshow(np.nan_to_num(info, nan=0.0), cmap="Greens", vmin=0.0, vmax=max(1.0, np.nanmax(info)),
-                      aspect="auto")
+    image = ax.imshow(shown, cmap="Greens", vmin=0.0, vmax=max(1.0, top), aspect="auto")
     for e, n in zip(*np.nonzero(np.isnan(info))):
         ax.plot(n, e, marker="x", color="red", markersize=6)
-    for e, n in zip(*np.nonzero(np.nan_to_num(info) >= 0.5)):
+    for e, n in zip(*np.nonzero(shown >= 0.5)):
         ax.text(n, e, f"{info[e, n]:.1f}", ha="center", va="center", fontsize=5.5,
-                color="white" if info[e, n] > 0.6 * np.nanmax(info) else "black")
+                color="white" if info[e, n] > 0.6 * top else "black")
     ax.set_xticks(range(info.shape[1]))
     ax.set_xticklabels([str(n) for n in range(info.shape[1])], fontsize=6)
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([f"{row['true_env']} (slot {row['slot']})" for row in rows], fontsize=7)
     ax.set_xlabel("latent")
-    used = int((np.nan_to_num(info) > used_kl).any(axis=0).sum())
+    used = len(latent_union(rows, "informative"))
     ax.set_title(f"information per latent (nats, KL − α); × masked; {used}/{info.shape[1]} above {used_kl:g}",
                  fontsize=8)
     fig.colorbar(image, ax=ax, fraction=0.03)
