@@ -39,7 +39,8 @@ STEPS = 20
 RESULT_KEYS = {
     "ablation", "mode", "preset", "sequence", "steps_per_env", "seed", "steps", "wall_time_s",
     "environments_inferred", "environments_true", "inferred_vs_true", "inference_events", "pending_batches",
-    "final_masks", "heldout_reconstruction_matrix", "latent_use", "disentanglement", "probes", "weight_gradients",
+    "final_masks", "heldout_reconstruction_matrix", "cross_domain_errors", "latent_use", "disentanglement", "probes",
+    "weight_gradients",
 }
 
 
@@ -131,6 +132,13 @@ def test_train_prints_the_summary_and_writes_the_run(sprite_run, sprite_data):
     assert results["weight_gradients"] == kernels.route("native")  # the default model.weight_grad_kernel
     assert results["sequence"] == ["moving_shapes_a", "shapes_b", "moving_shapes_b"]
     assert len(results["heldout_reconstruction_matrix"]) == 3
+    # Fig. 4B as numbers: every environment under every slot. The end column of the matrix above is
+    # read under the classifier's pick, so it must be one of that environment's per-slot errors.
+    cross = results["cross_domain_errors"]
+    assert len(cross) == 3 and all(len(row) == results["environments_inferred"] for row in cross)
+    for row, picked in zip(cross, results["heldout_reconstruction_matrix"][-1]):
+        assert min(abs(e - picked) for e in row) < 1e-9
+    assert "under each slot at the end (cross-domain, Fig. 4B" in out
     probes = results["probes"]
     assert [h["step"] for h in probes["history"]] == list(range(10, 3 * STEPS + 1, 10))
     assert probes["boundaries"] == [STEPS, 2 * STEPS, 3 * STEPS]
@@ -149,7 +157,7 @@ def test_tensorboard_holds_scalars_and_images(sprite_run):
     for env in ("moving_shapes_a", "shapes_b", "moving_shapes_b"):
         assert f"reconstruction/{env}" in images
         assert f"traversal/{env}" in images
-    assert {"figures/latent_use", "figures/atypicality_profile", "figures/probe_curves"} <= images
+    assert {"figures/latent_use", "figures/cross_domain", "figures/atypicality_profile", "figures/probe_curves"} <= images
 
 
 @pytest.mark.slow

@@ -197,3 +197,31 @@ def test_a_new_environment_starts_its_capacity_from_the_kl_it_carries(ramp):
                                f"objective.new_env_ramp_steps={ramp}"])
     restored.load_state_dict(lrn.state_dict())
     assert restored.capacity_starts == lrn.capacity_starts
+
+
+def test_reconstruction_error_is_the_bernoulli_nll_of_the_mean_decoding():
+    lrn = learner()
+    x = squares(16, torch.Generator().manual_seed(0), 0)
+    p = lrn.reconstruct_mean(x, 0).clamp(1e-6, 1 - 1e-6)
+    by_hand = -(x * p.log() + (1 - x) * (1 - p).log()).sum((1, 2, 3)).mean()
+    assert lrn.reconstruction_error(x, 0) == pytest.approx(float(by_hand), rel=1e-5)
+
+
+def test_cross_domain_panel_decodes_the_same_latents_under_every_slot():
+    from vase.visualize import cross_domain_panel
+
+    lrn = learner()
+    lrn.masks.masks[1, 2] = 0.0  # slot 1 masks latent 2: fed its prior mean, 0, in the mean decoding
+    x = squares(3, torch.Generator().manual_seed(0), 0)
+    panel = cross_domain_panel(lrn, x, 2)
+    assert panel.shape == (3, 3, 1, 64, 64)
+    assert torch.equal(panel[:, 0], x)
+    for s in range(2):
+        assert torch.equal(panel[:, 1 + s], lrn.reconstruct_mean(x, s))
+    assert not torch.allclose(panel[:, 1], panel[:, 2])  # the slot's one-hot and mask change the decoding
+    with torch.no_grad():
+        mu = lrn.model.encoder(x).mu
+        mu[:, 2] = 0.0
+        unmasked = torch.sigmoid(lrn.model.decoder(mu, torch.ones(3, dtype=torch.long)))
+    torch.testing.assert_close(panel[:, 2], unmasked)
+

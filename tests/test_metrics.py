@@ -293,3 +293,15 @@ def test_latent_use_figure_is_an_rgb_image_that_shows_the_mask():
     _assert_image(img)
     rows[0]["masked"] = [2]
     assert not np.array_equal(img, latent_use_figure(rows, 0.1))
+
+
+def test_cross_domain_figure_is_an_rgb_image_that_frames_the_trained_slot():
+    from vase.metrics.plots import cross_domain_figure
+
+    panel = np.random.default_rng(0).random((2, 3, 1, 64, 64))
+    errors = np.array([[100.0, 250.0], [300.0, 120.0]])
+    img = cross_domain_figure(panel, ["a", "b"], errors, [0, 1])
+    _assert_image(img)
+    assert not np.array_equal(img, cross_domain_figure(panel, ["a", "b"], errors, [0, 0]))
+    green = (img[..., 1] > 100) & (img[..., 0] < 60) & (img[..., 2] < 60)
+    assert green.sum() > 100  # the frames are drawn

@@ -224,6 +224,14 @@ class Learner:
         z = post.mu * self.masks.mask(env)
         return torch.sigmoid(self.model.decoder(z, torch.full((x.shape[0],), env, dtype=torch.long)))
 
+    @torch.no_grad()
+    def reconstruction_error(self, x: torch.Tensor, env: int) -> float:
+        """Mean error (nats per image) of x decoded from mu under env with a^env: the held-out
+        reading of eq. 6's reconstruction test. Probabilities are clamped to [1e-6, 1 - 1e-6], so a
+        pixel costs at most ~13.8 nats."""
+        recon = self.reconstruct_mean(x, env).clamp(1e-6, 1 - 1e-6)
+        return float(reconstruction_nll(torch.logit(recon), x).mean())
+
     # -- checkpointing ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {

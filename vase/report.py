@@ -29,6 +29,14 @@ def summary_text(results: dict, run_dir: Path) -> str:
         lines.append("  " + " " * 18 + "".join(f"{'after ' + str(j + 1):>10}" for j in range(len(matrix))))
         for i, name in enumerate(names):
             lines.append(f"  {name:<18}" + "".join(f"{row[i]:>10.1f}" for row in matrix))
+    cross = results.get("cross_domain_errors") or []
+    if cross:
+        lines.append("held-out reconstruction error (nats/image) of each environment under each slot at the end "
+                     "(cross-domain, Fig. 4B; * the slot it trained under):")
+        lines.append("  " + " " * 18 + "".join(f"{'slot ' + str(s):>10}" for s in range(len(cross[0]))))
+        for env, row in zip(results["inferred_vs_true"], cross):
+            cells = [f"{e:.1f}" + ("*" if env["inferred_env"] == s else " ") for s, e in enumerate(row)]
+            lines.append(f"  {env['true_env']:<18}" + "".join(f"{c:>10}" for c in cells))
     use = results.get("latent_use") or []
     if use:
         n = len(use[0]["kl_per_latent"])

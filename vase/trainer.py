@@ -24,10 +24,10 @@ from vase.evaluation import (
 )
 from vase.learner import Learner, StepOutput
 from vase.masking import atypicality, information
-from vase.objective import kl_per_latent, reconstruction_nll
+from vase.objective import kl_per_latent
 from vase.probing import ProbeSuite
 from vase.stream import Stream
-from vase.visualize import mask_image, reconstruction_grid, traversal_grid
+from vase.visualize import cross_domain_panel, mask_image, reconstruction_grid, traversal_grid
 
 PANEL = 8  # images per environment in the reconstruction and traversal panels
 
@@ -303,12 +303,15 @@ class Trainer:
     def heldout_errors(self, upto: int) -> list[float]:
         """Held-out reconstruction error (nats per image) of each true environment up to `upto`,
         under the slot the classifier picks for it (0 when S is off), decoded from mu."""
-        errors = []
-        for x in self.held_out[: upto + 1]:
-            slot = self.learner.infer_slot(x)
-            recon = self.learner.reconstruct_mean(x, slot).clamp(1e-6, 1 - 1e-6)
-            errors.append(float(reconstruction_nll(torch.logit(recon), x).mean()))
-        return errors
+        return [self.learner.reconstruction_error(x, self.learner.infer_slot(x)) for x in self.held_out[: upto + 1]]
+
+    def cross_domain_errors(self, upto: int) -> list[list[float]]:
+        """[i][s]: held-out error (nats per image) of true environment i, up to `upto`, decoded under
+        every allocated slot s with a^s (the paper's cross-domain reconstruction, Fig. 4B, as numbers).
+        Eq. 6's reconstruction test reads one entry of a row against kappa * L_s; the row shows
+        which slots would explain the data, which is what decides a merge."""
+        slots = range(max(1, self.learner.inference.n_envs))
+        return [[self.learner.reconstruction_error(x, s) for s in slots] for x in self.held_out[: upto + 1]]
 
     @torch.no_grad()
     def latent_use(self, slots: list[int]) -> list[dict]:
@@ -363,11 +366,19 @@ class Trainer:
         self._log_figures(step)
 
     def _log_figures(self, step: int) -> None:
-        from vase.metrics.plots import atypicality_figure, latent_use_figure, probe_curves_figure
+        from vase.metrics.plots import atypicality_figure, cross_domain_figure, latent_use_figure, probe_curves_figure
 
-        rows = self.latent_use([row["inferred_env"] for row in self.inferred_environments()])
+        trained = [row["inferred_env"] for row in self.inferred_environments()]
+        rows = self.latent_use(trained)
         fig = latent_use_figure(rows, self.cfg.inference.used_kl)
         self.writer.add_image("figures/latent_use", fig, step, dataformats="HWC")
+
+        seen = len(trained)
+        seeds = torch.stack([x[0] for x in self.held_out[:seen]])  # the traversals' seed images
+        panel = cross_domain_panel(self.learner, seeds, max(1, self.learner.inference.n_envs))
+        errors = torch.tensor(self.cross_domain_errors(seen - 1)).numpy()
+        fig = cross_domain_figure(panel.numpy(), [env.name for env in self.envs[:seen]], errors, trained)
+        self.writer.add_image("figures/cross_domain", fig, step, dataformats="HWC")
 
         ends = self.stream.ends
         if self.record.alpha:
@@ -420,6 +431,7 @@ class Trainer:
             "pending_batches": self.record.pending,
             "final_masks": self.learner.masks.masks[: max(1, self.learner.inference.n_envs)].int().tolist(),
             "heldout_reconstruction_matrix": self.record.recon_matrix,
+            "cross_domain_errors": self.cross_domain_errors(len(inferred) - 1),
             "latent_use": self.latent_use([row["inferred_env"] for row in inferred]),
             "disentanglement": self.record.disentanglement,
         }

@@ -1,4 +1,5 @@
-"""Images for TensorBoard: reconstructions, latent traversals (Fig. 2 top) and the mask table."""
+"""Images for TensorBoard: reconstructions, latent traversals (Fig. 2 top), cross-domain
+reconstructions (Fig. 4B) and the mask table."""
 from __future__ import annotations
 
 import torch
@@ -44,6 +45,18 @@ def traversal_grid(learner, image: torch.Tensor, env: int, used_kl: float) -> to
         band[i, 0] = torch.tensor(colour)[:, None, None]
     frames = torch.cat([band, frames], dim=1)[order]
     return make_grid(frames.reshape(-1, *frames.shape[2:]), nrow=len(values) + 1, pad_value=1.0)
+
+
+@torch.no_grad()
+def cross_domain_panel(learner, images: torch.Tensor, slots: int) -> torch.Tensor:
+    """Fig. 4B: each image encoded once and decoded under every slot s < `slots` with a^s.
+
+    Returns (R, 1 + slots, C, H, W) in [0, 1]: the input, then its reconstruction under each slot.
+    mu depends on x only, never on s (spec §2), so what changes along a row is the decoder's
+    reading of the same latents: the homologies VASE found between the environments.
+    """
+    decoded = [learner.reconstruct_mean(images, s) for s in range(slots)]
+    return torch.stack([images, *decoded], dim=1)
 
 
 def mask_image(masks: torch.Tensor, n_envs: int, scale: int = 12) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Figures for TensorBoard as RGB uint8 arrays (H, W, 3): probe curves, atypicality and latent use
-(Fig. 2 bottom).
+(Fig. 2 bottom), and cross-domain reconstructions (Fig. 4B).
 
 Figures are drawn on their own Agg canvas (``matplotlib.figure.Figure`` + ``FigureCanvasAgg``)
 rather than through pyplot, so they work headless and never touch pyplot's global figure state or
@@ -111,6 +111,39 @@ def latent_use_figure(rows: Sequence[dict], used_kl: float) -> np.ndarray:
     ax.set_title(f"information per latent (nats, KL − α); × masked; {used}/{info.shape[1]} above {used_kl:g}",
                  fontsize=8)
     fig.colorbar(image, ax=ax, fraction=0.03)
+    return figure_to_rgb(fig)
+
+
+def cross_domain_figure(
+    panel: np.ndarray, row_labels: Sequence[str], errors: np.ndarray, trained: Sequence[int]
+) -> np.ndarray:
+    """Cross-domain reconstructions (Fig. 4B): one row per environment, its input image and then its
+    reconstruction under every slot (`vase.visualize.cross_domain_panel`, (R, 1 + S, C, H, W)).
+
+    Under each reconstruction is that environment's held-out error under the slot (``errors``,
+    (R, S), nats per image), and the slot the environment trained under (``trained[r]``) is framed
+    in green, so the off-diagonal cells read as "what this slot makes of that data".
+    """
+    panel = np.asarray(panel)
+    rows, cols = panel.shape[:2]
+    fig = Figure(figsize=(1.15 * cols + 1.2, 1.25 * rows + 0.4), dpi=DPI)
+    axes = np.asarray(fig.subplots(rows, cols, squeeze=False))
+    for r in range(rows):
+        for c in range(cols):
+            ax = axes[r, c]
+            ax.imshow(panel[r, c].mean(0), cmap="gray", vmin=0.0, vmax=1.0)
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if r == 0:
+                ax.set_title("input" if c == 0 else f"slot {c - 1}", fontsize=8)
+            if c == 0:
+                ax.set_ylabel(row_labels[r], fontsize=7)
+            else:
+                ax.set_xlabel(f"{errors[r, c - 1]:.0f} nats", fontsize=7)
+                if c - 1 == trained[r]:
+                    for spine in ax.spines.values():
+                        spine.set_edgecolor("green")
+                        spine.set_linewidth(2.5)
     return figure_to_rgb(fig)
 
 
