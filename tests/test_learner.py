@@ -224,4 +224,3 @@ def test_cross_domain_panel_decodes_the_same_latents_under_every_slot():
         mu[:, 2] = 0.0
         unmasked = torch.sigmoid(lrn.model.decoder(mu, torch.ones(3, dtype=torch.long)))
     torch.testing.assert_close(panel[:, 2], unmasked)
-

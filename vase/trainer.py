@@ -151,6 +151,7 @@ class Trainer:
         self.held_out = [held_out_images(env) for env in self.test_envs]
         self.writer: SummaryWriter | None = None
         self.last_checkpoint: int | None = None
+        self._slot_tables: tuple | None = None  # (step, slots, latent use, cross-domain errors)
 
     # -- state -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -368,16 +369,15 @@ class Trainer:
     def _log_figures(self, step: int) -> None:
         from vase.metrics.plots import atypicality_figure, cross_domain_figure, latent_use_figure, probe_curves_figure
 
-        trained = [row["inferred_env"] for row in self.inferred_environments()]
-        rows = self.latent_use(trained)
+        trained, rows, errors = self.slot_tables()
         fig = latent_use_figure(rows, self.cfg.inference.used_kl)
         self.writer.add_image("figures/latent_use", fig, step, dataformats="HWC")
 
         seen = len(trained)
         seeds = torch.stack([x[0] for x in self.held_out[:seen]])  # the traversals' seed images
         panel = cross_domain_panel(self.learner, seeds, max(1, self.learner.inference.n_envs))
-        errors = torch.tensor(self.cross_domain_errors(seen - 1)).numpy()
-        fig = cross_domain_figure(panel.numpy(), [env.name for env in self.envs[:seen]], errors, trained)
+        fig = cross_domain_figure(panel.numpy(), [env.name for env in self.envs[:seen]], torch.tensor(errors).numpy(),
+                                  trained)
         self.writer.add_image("figures/cross_domain", fig, step, dataformats="HWC")
 
         ends = self.stream.ends
@@ -411,8 +411,19 @@ class Trainer:
             start = end
         return rows
 
+    def slot_tables(self) -> tuple[list[int], list[dict], list[list[float]]]:
+        """For the environments seen so far: the slot each trained under, its latent-use row and its
+        cross-domain errors. Computed once per step: the last boundary's figures and `results` both
+        read them at the end of a run (several passes over the held-out sets)."""
+        if self._slot_tables is None or self._slot_tables[0] != self.learner.step:
+            trained = [row["inferred_env"] for row in self.inferred_environments()]
+            self._slot_tables = (self.learner.step, trained, self.latent_use(trained),
+                                 self.cross_domain_errors(len(trained) - 1))
+        return self._slot_tables[1:]
+
     def results(self) -> dict:
         inferred = self.inferred_environments()
+        _, use, cross = self.slot_tables()
         out = {
             "ablation": self.cfg.ablation(),
             "mode": self.cfg.objective.mode,
@@ -431,8 +442,8 @@ class Trainer:
             "pending_batches": self.record.pending,
             "final_masks": self.learner.masks.masks[: max(1, self.learner.inference.n_envs)].int().tolist(),
             "heldout_reconstruction_matrix": self.record.recon_matrix,
-            "cross_domain_errors": self.cross_domain_errors(len(inferred) - 1),
-            "latent_use": self.latent_use([row["inferred_env"] for row in inferred]),
+            "cross_domain_errors": cross,
+            "latent_use": use,
             "disentanglement": self.record.disentanglement,
         }
         if self.probes:
