@@ -127,25 +127,44 @@ def test_plan_tells_new_resumed_and_finished_runs_apart_and_refuses_foreign_ones
     assert (stray / "notes.txt").read_text() == "mine"
 
 
-def test_runs_from_before_the_new_environment_ramp_count_where_the_ramp_cannot_act(tmp_path):
-    # Written before objective.new_env_ramp_steps existed: loaded with 0 (C(t) at once). With S off
-    # no environment is ever allocated, so the "-" run is this grid's run; SDA's is not.
+def _forget_ramp(saved):  # written before objective.new_env_ramp_steps existed: loaded with 0
+    del saved["objective"]["new_env_ramp_steps"]
+
+
+def _old_decoder_weight(saved):  # written while eq. 7's decoder weight defaulted to 1
+    saved["dream"]["decoder_weight"] = 1.0
+
+
+@pytest.mark.parametrize("age_config, difference", [
+    # With S off no environment is ever allocated, so the new ramp cannot act in "-"; in SDA it can.
+    (_forget_ramp, r"objective.new_env_ramp_steps: 0 -> 1000"),
+    # Without dreams the decoder weight is never read; in SDA it is.
+    (_old_decoder_weight, r"dream.decoder_weight: 1.0 -> 10.0"),
+])
+def test_older_runs_count_where_the_changed_setting_cannot_act(tmp_path, age_config, difference):
     spec = tiny_spec(tmp_path / "grid", tmp_path / "data", seeds=(0,))
     runs = {r.name: r for r in spec.runs()}
-    for name in ("none-disentangled-s0", "SDA-disentangled-s0"):
+    changed = "SDA-disentangled-s0"
+    for name in ("none-disentangled-s0", changed):
         run = runs[name]
         saved = json.loads(spec.config(run).to_json())
-        del saved["objective"]["new_env_ramp_steps"]
+        age_config(saved)
         run.run_dir.mkdir(parents=True)
         (run.run_dir / "config.json").write_text(json.dumps(saved))
         (run.run_dir / "results.json").write_text("{}")
-    with pytest.raises(VaseError, match=r"SDA-disentangled-s0 holds a run with other settings "
-                                        r"\(objective.new_env_ramp_steps: 0 -> 1000\)"):
+    with pytest.raises(VaseError, match=rf"{changed} holds a run with other settings \({difference}\)"):
         plan(spec)
-    runs["SDA-disentangled-s0"].run_dir.joinpath("config.json").unlink()
-    runs["SDA-disentangled-s0"].run_dir.joinpath("results.json").unlink()
+    runs[changed].run_dir.joinpath("config.json").unlink()
+    runs[changed].run_dir.joinpath("results.json").unlink()
     status = {run.name: s for run, s in plan(spec)}
-    assert status["none-disentangled-s0"] == DONE and status["SDA-disentangled-s0"] == NEW
+    assert status["none-disentangled-s0"] == DONE and status[changed] == NEW
+
+
+def test_the_decoder_weight_is_inert_exactly_where_eq7s_decoder_term_is_off():
+    inert = {row: "dream.decoder_weight" in build_config("cpu", [], row).inert_settings()
+             for row in ("-", "S", "A", "SA", "SD-[41]", "D", "DA", "SD", "SDA")}
+    assert inert == {"-": True, "S": True, "A": True, "SA": True, "SD-[41]": True,
+                     "D": False, "DA": False, "SD": False, "SDA": False}
 
 
 # -- the backends with stand-in children ------------------------------------------------------------------

@@ -65,6 +65,19 @@ def test_identical_snapshot_gives_zero_dream_loss_in_the_step():
     assert out.losses["dream_encoder"] > 0.0 and out.losses["dream_decoder"] > 0.0
 
 
+@pytest.mark.parametrize("decoder_term", [True, False])
+def test_the_step_loss_is_eq8_with_the_dream_weights(decoder_term):
+    # L = L_MDL + w_enc * W2 + w_dec * KL(Bern || Bern) (eq. 7-8); SD-[41] drops the decoder term.
+    # With S off the dreams come from environment 0 itself, so the second step already dreams.
+    lrn = learner("D", ["dream.encoder_weight=3", "dream.decoder_weight=10", f"dream.decoder_term={decoder_term}"])
+    gen = torch.Generator().manual_seed(0)
+    lrn.training_step(squares(16, gen, 0))
+    losses = lrn.training_step(squares(16, gen, 1)).losses  # the model has moved from the snapshot
+    decoder = losses.get("dream_decoder", 0.0)
+    assert losses["dream_encoder"] > 0 and (decoder > 0) == decoder_term
+    assert losses["total"] == pytest.approx(losses["mdl"] + 3 * losses["dream_encoder"] + 10 * decoder, rel=1e-5)
+
+
 @pytest.mark.parametrize("aggregate_weight", [0.0, 1.0])
 def test_masked_latents_get_no_gradient_in_the_step(aggregate_weight):
     lrn = learner("A", ["mask.lambda_low=0.01", "mask.lambda_high=0.02", f"objective.aggregate_weight={aggregate_weight}"])

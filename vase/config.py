@@ -146,8 +146,13 @@ class DreamConfig:
     decoder_term: bool = True  # False gives the SD-[41] variant
     snapshot_every: int = 1000  # tau [paper: a hyperparameter; value ours]
     batch_size: int = 32
+    # Weights of eq. 7's two terms [ours; unpublished]. The decoder term (a KL in nats per dream)
+    # pulls weakly against a reconstruction term of hundreds of nats: at weight 1 the older slots'
+    # decoders forget between syncs. Weight 10 holds them and keeps every inference decision;
+    # raising the encoder term too merges the sprites (docs/calibration.md, "A heavier dream
+    # decoder term").
     encoder_weight: float = 1.0
-    decoder_weight: float = 1.0
+    decoder_weight: float = 10.0
 
 
 @dataclass
@@ -211,10 +216,14 @@ class Config:
 
         A new environment's capacity ramp acts only at an allocation (S on) and only on the
         capacity target, which the entangled objective does not have. A grid over runs made before
-        the setting existed (loaded with 0) then still accepts the rows it cannot have changed."""
+        the setting existed (loaded with 0) then still accepts the rows it cannot have changed.
+        Likewise eq. 7's decoder weight, whose default went from 1 to 10, acts only with dreams
+        and their decoder term (not in "-", S, A, SA or SD-[41])."""
         inert = set()
         if not self.inference.enabled or self.objective.mode == "entangled":
             inert.add("objective.new_env_ramp_steps")
+        if not (self.dream.enabled and self.dream.decoder_term):
+            inert.add("dream.decoder_weight")
         return inert
 
     # -- serialisation -----------------------------------------------------------------------------
