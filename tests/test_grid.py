@@ -131,15 +131,15 @@ def _forget_ramp(saved):  # written before objective.new_env_ramp_steps existed:
     del saved["objective"]["new_env_ramp_steps"]
 
 
-def _old_decoder_weight(saved):  # written while eq. 7's decoder weight defaulted to 1
-    saved["dream"]["decoder_weight"] = 1.0
+def _heavier_decoder_weight(saved):  # written with --set dream.decoder_weight=10
+    saved["dream"]["decoder_weight"] = 10.0
 
 
 @pytest.mark.parametrize("age_config, difference", [
     # With S off no environment is ever allocated, so the new ramp cannot act in "-"; in SDA it can.
     (_forget_ramp, r"objective.new_env_ramp_steps: 0 -> 1000"),
     # Without dreams the decoder weight is never read; in SDA it is.
-    (_old_decoder_weight, r"dream.decoder_weight: 1.0 -> 10.0"),
+    (_heavier_decoder_weight, r"dream.decoder_weight: 10.0 -> 1.0"),
 ])
 def test_older_runs_count_where_the_changed_setting_cannot_act(tmp_path, age_config, difference):
     spec = tiny_spec(tmp_path / "grid", tmp_path / "data", seeds=(0,))
