@@ -376,8 +376,7 @@ class Trainer:
         seen = len(trained)
         seeds = torch.stack([x[0] for x in self.held_out[:seen]])  # the traversals' seed images
         panel = cross_domain_panel(self.learner, seeds, max(1, self.learner.inference.n_envs))
-        fig = cross_domain_figure(panel.numpy(), [env.name for env in self.envs[:seen]], torch.tensor(errors).numpy(),
-                                  trained)
+        fig = cross_domain_figure(panel.numpy(), [env.name for env in self.envs[:seen]], errors, trained)
         self.writer.add_image("figures/cross_domain", fig, step, dataformats="HWC")
 
         ends = self.stream.ends

@@ -115,7 +115,7 @@ def latent_use_figure(rows: Sequence[dict], used_kl: float) -> np.ndarray:
 
 
 def cross_domain_figure(
-    panel: np.ndarray, row_labels: Sequence[str], errors: np.ndarray, trained: Sequence[int]
+    panel: np.ndarray, row_labels: Sequence[str], errors: Sequence[Sequence[float]], trained: Sequence[int]
 ) -> np.ndarray:
     """Cross-domain reconstructions (Fig. 4B): one row per environment, its input image and then its
     reconstruction under every slot (`vase.visualize.cross_domain_panel`, (R, 1 + S, C, H, W)).
@@ -124,7 +124,7 @@ def cross_domain_figure(
     (R, S), nats per image), and the slot the environment trained under (``trained[r]``) is framed
     in green, so the off-diagonal cells read as "what this slot makes of that data".
     """
-    panel = np.asarray(panel)
+    panel, errors = np.asarray(panel), np.asarray(errors)
     rows, cols = panel.shape[:2]
     fig = Figure(figsize=(1.15 * cols + 1.2, 1.25 * rows + 0.4), dpi=DPI)
     axes = np.asarray(fig.subplots(rows, cols, squeeze=False))
