@@ -54,6 +54,7 @@ def test_latent_use_reports_kl_mask_and_active_latents():
     assert row["masked"] == [2]
     assert row["active"] == [0]  # latent 2 carries KL but is masked; the rest carry none
     assert row["used_in_training"] == [0]  # the last latent's usage (0.05) is below used_kl
+    assert row["usage_per_latent"] == [1.5] + [0.0] * (cfg.model.latents - 2) + [0.05]  # the values behind it
 
     from vase.report import summary_text
 
@@ -62,6 +63,7 @@ def test_latent_use_reports_kl_mask_and_active_latents():
     text = summary_text(results, Path("run"))
     assert f"1/{cfg.model.latents} latents used by some slot while it trained" in text
     assert "slot 0: used [0], masked [2]; active on its held-out images now: 1/" in text
+    assert "the same count at other thresholds (usage above 0.1 / 0.25 / 0.5 / 1 nat): 1 / 1 / 1 / 1" in text
     # Constant codes carry no linear signal: every |r| is 0, and ties keep the latents' order.
     assert "strongest latents per factor (|r| of the posterior sample): x z0 0.00, z1 0.00, z2 0.00" in text
 
@@ -123,3 +125,14 @@ def test_summary_warns_of_an_environment_whose_slot_carries_no_information():
     assert "warning" not in summary_text(results, Path("run"))
     del results["latent_use"][1]["informative"]  # results from before the field: no verdict
     assert "warning" not in summary_text(results, Path("run"))
+
+
+def test_the_used_count_at_other_thresholds_reads_the_largest_usage_of_any_slot():
+    from vase.report import USAGE_READINGS, used_at_thresholds
+
+    rows = [{"usage_per_latent": [0.2, 0.6, 0.0, 0.05]}, {"usage_per_latent": [0.05, 1.2, 0.3, 0.1]}]
+    assert USAGE_READINGS == (0.1, 0.25, 0.5, 1.0)
+    # Largest per latent: 0.2, 1.2, 0.3, 0.1. "Above" is strict, as used_kl's test is (0.1 is not used).
+    assert used_at_thresholds(rows) == {0.1: 3, 0.25: 2, 0.5: 1, 1.0: 1}
+    assert used_at_thresholds([{"used_in_training": [0]}]) is None  # results.json from before the field
+

@@ -339,6 +339,9 @@ class Trainer:
             rows.append({
                 "true_env": env.name, "slot": slot,
                 "used_in_training": self.learner.inference.used(slot).nonzero().flatten().tolist(),
+                # The running usage itself, so a reader can count "used" at any threshold: the
+                # count at used_kl is one reading of it, not the only sensible one.
+                "usage_per_latent": [round(float(u), 4) for u in self.learner.inference.usage[slot]],
                 "masked": (mask == 0).nonzero().flatten().tolist(),
                 "kl_per_latent": [round(float(k), 4) for k in kl],
                 "info_per_latent": [round(float(i), 4) for i in info],
