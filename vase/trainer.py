@@ -73,6 +73,11 @@ class InterruptBetweenSteps:
             raise KeyboardInterrupt
 
 
+def _per_latent(values: torch.Tensor) -> list[float]:
+    """A per-latent reading (nats) for results.json, to 4 decimals."""
+    return [round(float(v), 4) for v in values]
+
+
 def run_dir_for(cfg: Config, run_dir: str | None, root: str = "runs") -> Path:
     if run_dir:
         return Path(run_dir)
@@ -341,10 +346,10 @@ class Trainer:
                 "used_in_training": self.learner.inference.used(slot).nonzero().flatten().tolist(),
                 # The running usage itself, so a reader can count "used" at any threshold: the
                 # count at used_kl is one reading of it, not the only sensible one.
-                "usage_per_latent": [round(float(u), 4) for u in self.learner.inference.usage[slot]],
+                "usage_per_latent": _per_latent(self.learner.inference.usage[slot]),
                 "masked": (mask == 0).nonzero().flatten().tolist(),
-                "kl_per_latent": [round(float(k), 4) for k in kl],
-                "info_per_latent": [round(float(i), 4) for i in info],
+                "kl_per_latent": _per_latent(kl),
+                "info_per_latent": _per_latent(info),
                 "active": ((kl > used_kl) & mask.bool()).nonzero().flatten().tolist(),
                 "informative": ((info > used_kl) & mask.bool()).nonzero().flatten().tolist(),
                 # Fig. 2-3's position claim: which latents carry x and y in each environment. Read
