@@ -134,6 +134,10 @@ class InferenceConfig:
     # relied_kl nats), must not carry more than foreign_use times that usage on this batch.
     relied_kl: float = 1.0
     foreign_use: float = 0.5
+    # While a switch back into a past environment is on probation, the mask test (rule 3) counts
+    # as relied on only the latents it used before the switch [ours]: its smoothed alpha of a
+    # latent it starts using now is stale, from before it left.
+    probation_relies_on_past_usage: bool = False
     classifier_lr: float = 1e-3
     # Steps after an allocation during which no further allocation happens [ours].
     cooldown: int = 200

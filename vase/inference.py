@@ -110,6 +110,16 @@ class EnvironmentInference:
         """Latents env uses: its running usage (information per latent) above used_kl."""
         return self.usage[env] > self.cfg.used_kl
 
+    def relied_on(self, env: int) -> torch.Tensor:
+        """Latents whose turning atypical counts against env in the mask test: the ones it uses, or,
+        on probation after a switch back (with `probation_relies_on_past_usage`), the ones it used
+        before the switch [ours]. A latent env starts using during the visit has a smoothed alpha
+        from before env left, so "settled" would be read from stale evidence."""
+        p = self.probation
+        if self.cfg.probation_relies_on_past_usage and p is not None and p.env == env:
+            return p.usage > self.cfg.used_kl
+        return self.used(env)
+
     def maskable(self, env: int) -> torch.Tensor:
         """Latents that environments other than `env` use: the only ones `env` may mask [ours]."""
         return self.usage_elsewhere(env) > self.cfg.used_kl
@@ -172,7 +182,7 @@ class EnvironmentInference:
         low, high = masks.cfg.lambda_low, masks.cfg.lambda_high
         a_env = masks.mask(env).bool()
         settled_on, settled_off = masks.alpha[env] < low, masks.alpha[env] > high
-        lost = a_env & settled_on & self.used(env) & (alpha > high)
+        lost = a_env & settled_on & self.relied_on(env) & (alpha > high)
         gained = ~a_env & settled_off & (alpha < low) & (information > self.cfg.used_kl)
         return lost | gained
 
@@ -191,6 +201,8 @@ class EnvironmentInference:
         if self.n_envs == 0:
             return self._allocate(step, 0, "first", [])
         predicted = self.predict(probs)
+        if self.probation is not None and step - self.probation.since >= self.cfg.cooldown:
+            self.probation = None  # the switch back has lasted: it was right
         if step - self.settling_since < self.cfg.cooldown:
             # A new environment's L_s, usage and mask rest on a handful of batches; judged against
             # them, every batch of it fails, and freezing them while the verdict is pending would
