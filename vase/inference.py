@@ -116,9 +116,8 @@ class EnvironmentInference:
         before the switch [ours]. A latent env starts using during the visit has a smoothed alpha
         from before env left, so "settled" would be read from stale evidence."""
         p = self.probation
-        if self.cfg.probation_relies_on_past_usage and p is not None and p.env == env:
-            return p.usage > self.cfg.used_kl
-        return self.used(env)
+        past = self.cfg.probation_relies_on_past_usage and p is not None and p.env == env
+        return (p.usage if past else self.usage[env]) > self.cfg.used_kl
 
     def maskable(self, env: int) -> torch.Tensor:
         """Latents that environments other than `env` use: the only ones `env` may mask [ours]."""
@@ -224,7 +223,7 @@ class EnvironmentInference:
                 first = (reasons, error, self.threshold(env), latents)
             if not reasons:
                 verdict = "same" if env == self.current else "switch"
-                restored = self._leave_probation(step, env, masks)
+                restored = self._leave_probation(env, masks)
                 if verdict == "switch":
                     self.probation = Probation(env, step, self.errors[env].clone(), self.usage[env].clone(),
                                                bool(self.recorded[env]), masks.row(env))
@@ -244,13 +243,13 @@ class EnvironmentInference:
                 self.full_warned = True
             self.pending = 0
             return Decision(step, self.current, predicted, "full", reasons, error, threshold, latents, tried)
-        restored = self._leave_probation(step, self.n_envs, masks)
+        restored = self._leave_probation(self.n_envs, masks)
         decision = self._allocate(step, self.n_envs, "new", reasons)
         decision.predicted, decision.error, decision.threshold = predicted, error, threshold
         decision.disagreeing, decision.tried, decision.restored = latents, tried, restored
         return decision
 
-    def _leave_probation(self, step: int, env: int, masks: LatentMasks) -> int | None:
+    def _leave_probation(self, env: int, masks: LatentMasks) -> int | None:
         """The stream goes to `env`. If that leaves a past environment it switched back into fewer
         than `cooldown` steps ago, restore that environment's statistics and return it [ours].
 
@@ -261,12 +260,10 @@ class EnvironmentInference:
         Fashion's tests for a few batches before failing them, and Fashion's slot then listed
         latents that only moving MNIST had used. The weights those batches trained are not undone.
         """
-        p = self.probation
+        p = self.probation  # `infer` has already ended a probation older than `cooldown` steps
         if p is None or p.env == env:
             return None
         self.probation = None
-        if step - p.since >= self.cfg.cooldown:
-            return None
         self.errors[p.env], self.usage[p.env], self.recorded[p.env] = p.error, p.usage, p.recorded
         masks.restore_row(p.env, p.mask)
         return p.env
