@@ -93,15 +93,18 @@ def test_more_threads_than_channel_blocks_are_left_to_onednn(monkeypatch):
 @pytest.mark.skipif(not kernels.status().startswith("off (written for AVX2"), reason="only where the CPU level turns it off")
 def test_the_kernel_tests_also_run_on_avx512_machines_with_pytorch_forced_to_avx2():
     """On an AVX-512 CPU the kernel is off, so the tests above skip and the C code would go
-    untested. PyTorch run as AVX2 (ATEN_CPU_CAPABILITY=avx2) turns it on: run them there."""
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    untested. PyTorch run as AVX2 (ATEN_CPU_CAPABILITY=avx2) turns it on: run them there. That
+    setting leaves oneDNN on its AVX-512 kernels, which sum in another order, so oneDNN is capped at
+    AVX2 too (ONEDNN_MAX_CPU_ISA): the bit-for-bit comparison is then against the kernels it runs on
+    this project's AVX2 machines."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-         "-k", "reference or threads or channel_blocks or routes"],
+         "-k", "reference or bits or threads or channel_blocks or routes"],
         capture_output=True, text=True, env=env, timeout=600,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert re.search(r"\b(9|[1-9]\d+) passed", done.stdout) and "skipped" not in done.stdout, done.stdout[-1000:]
+    assert re.search(r"\b(1[3-9]|[2-9]\d) passed", done.stdout) and "skipped" not in done.stdout, done.stdout[-1000:]
 
 
 @pytest.mark.parametrize("x, grad", [
