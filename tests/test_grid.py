@@ -160,6 +160,15 @@ def test_older_runs_count_where_the_changed_setting_cannot_act(tmp_path, age_con
     assert status["none-disentangled-s0"] == DONE and status[changed] == NEW
 
 
+def test_the_new_environment_settings_are_inert_exactly_where_no_environment_is_allocated_under_eq3():
+    for setting in ("objective.new_env_ramp_steps", "objective.fresh_aggregate_weight"):
+        inert = {(row, mode): setting in build_config("cpu", [] if mode == "disentangled" else ["objective.mode=entangled"],
+                                                      row).inert_settings()
+                 for row in ("-", "D", "A", "DA", "S", "SA", "SD", "SDA", "SD-[41]") for mode in ("disentangled", "entangled")}
+        assert {key for key, value in inert.items() if not value} == {
+            (row, "disentangled") for row in ("S", "SA", "SD", "SDA", "SD-[41]")}, setting
+
+
 def test_the_decoder_weight_is_inert_exactly_where_eq7s_decoder_term_is_off():
     inert = {row: "dream.decoder_weight" in build_config("cpu", [], row).inert_settings()
              for row in ("-", "S", "A", "SA", "SD-[41]", "D", "DA", "SD", "SDA")}

@@ -212,6 +212,53 @@ def test_a_new_environment_starts_its_capacity_from_the_kl_it_carries(ramp):
     assert restored.capacity_starts == lrn.capacity_starts
 
 
+def test_the_fresh_latent_penalty_reads_only_a_new_environments_fresh_latents():
+    """objective.fresh_aggregate_weight: the atypicality of the unmasked latents no other
+    environment uses, in an environment allocated after the first; nothing in the first, and no push
+    on a latent another environment uses or on a masked one."""
+    from vase.masking import atypicality
+    from vase.objective import prior_where_masked
+
+    lrn = learner("SDA", ["objective.fresh_aggregate_weight=1"])
+    post = lrn.model.encoder(squares(16, torch.Generator().manual_seed(0), 0))
+    mask = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 1.0])
+    maskable = torch.tensor([True, True, False, False, False, False])  # latents 0 and 1: another slot's
+    assert lrn.aggregate_shift(post, mask, maskable, 0) == (None, None)  # the first environment: C(t) alone
+    lrn.capacity_starts[1] = (0, 0.0)
+    everything, fresh = lrn.aggregate_shift(post, mask, maskable, 1)
+    alpha = atypicality(*prior_where_masked(post.mu, post.logvar, mask))
+    assert everything is None and fresh.item() == pytest.approx(alpha[[2, 4, 5]].sum().item(), rel=1e-6)
+    fresh.backward()
+    g = lrn.model.encoder.head.weight.grad  # rows: mu of latents 0-5, then log sigma^2 of 0-5
+    assert torch.all(g[[0, 1, 3, 6, 7, 9]] == 0) and all(torch.any(g[r] != 0) for r in (2, 4, 5))
+
+
+def test_the_step_adds_the_fresh_latent_penalty_in_a_new_environment():
+    """Two learners in the same state, fresh weight 0 and 1: right after a second environment is
+    allocated, the step's eq. 3 differs by exactly gamma times the fresh latents' atypicality."""
+    from vase.masking import atypicality
+    from vase.objective import prior_where_masked
+
+    x = squares(16, torch.Generator().manual_seed(0), 0)
+    mdl, penalty = [], None
+    for weight in (0, 1):
+        lrn = learner("SDA", [f"objective.fresh_aggregate_weight={weight}", "dream.enabled=false"])
+        for _ in range(3):
+            lrn.training_step(x)
+        lrn.inference.usage[0] = torch.tensor([2.0, 0.0, 2.0, 0.0, 0.0, 0.0])  # slot 0 uses latents 0 and 2
+        infer = lrn.inference.infer
+        lrn.inference.infer = lambda t, *args: lrn.inference._allocate(t, 1, "new", ["reconstruction"])
+        with torch.no_grad():
+            post = lrn.model.encoder(x)
+        out = lrn.training_step(x)
+        lrn.inference.infer = infer
+        assert out.decision.env == 1
+        alpha = atypicality(*prior_where_masked(post.mu, post.logvar, out.mask))
+        penalty = float((alpha * out.mask * torch.tensor([0.0, 1.0, 0.0, 1.0, 1.0, 1.0])).sum())
+        mdl.append(out.losses["mdl"])
+    assert penalty > 0 and mdl[1] - mdl[0] == pytest.approx(100.0 * penalty, rel=1e-4)
+
+
 def test_reconstruction_error_is_the_bernoulli_nll_of_the_mean_decoding():
     lrn = learner()
     x = squares(16, torch.Generator().manual_seed(0), 0)

@@ -88,6 +88,45 @@ def test_aggregate_penalty_pulls_a_shifted_latent_back_and_leaves_an_informative
     assert torch.allclose(logvar.grad[:, 1], torch.zeros(8), atol=1e-6)
 
 
+def test_fresh_latent_penalty_is_off_by_default_and_weighted_in_units_of_gamma():
+    recon, kl = torch.tensor([100.0, 200.0]), torch.tensor([10.0, 20.0])
+    cfg = ObjectiveConfig(gamma=2.0, capacity_max=25.0, capacity_ramp_steps=100)
+    fresh = torch.tensor(3.0)
+    assert float(mdl_loss(recon, kl, capacity(40, cfg), cfg, fresh_atypical=fresh)) == pytest.approx(160.0)
+    cfg.fresh_aggregate_weight = 0.5
+    assert float(mdl_loss(recon, kl, capacity(40, cfg), cfg, fresh_atypical=fresh)) == pytest.approx(163.0)
+    cfg.aggregate_weight = 1.0  # the two penalties add
+    both = mdl_loss(recon, kl, capacity(40, cfg), cfg, torch.tensor(4.0), fresh)
+    assert float(both) == pytest.approx(160.0 + 2.0 * 4.0 + 3.0)
+    cfg.mode = "entangled"
+    assert float(mdl_loss(recon, kl, capacity(40, cfg), cfg, fresh_atypical=fresh)) == pytest.approx(165.0)
+
+
+def test_with_fresh_weight_1_capacity_filler_earns_nothing_and_information_still_pays():
+    """Below its target, eq. 3 rewards any KL. A fresh latent narrowed alike for every image
+    (sigma^2 0.2, mean 0: KL without information, KL = alpha) gets no gradient at all from eq. 3 plus
+    the penalty at weight 1; an informative one (means +-sqrt(0.8), sigma^2 0.2: the aggregate is
+    N(0, 1), alpha = 0) keeps eq. 3's push towards more KL."""
+    from vase.masking import atypicality
+
+    cfg = ObjectiveConfig(gamma=100.0, capacity_max=25.0, capacity_ramp_steps=0, fresh_aggregate_weight=1.0)
+    mu = torch.tensor([[0.0, 0.8 ** 0.5], [0.0, -(0.8 ** 0.5)]] * 4, requires_grad=True)
+    logvar = torch.full((8, 2), math.log(0.2), requires_grad=True)
+    alpha = atypicality(mu, logvar)
+    kl = kl_per_latent(mu, logvar)
+    assert alpha.tolist() == pytest.approx([kl[:, 0].mean().item(), 0.0], abs=1e-6)
+    loss = mdl_loss(torch.zeros(8), kl.sum(1), capacity(0, cfg), cfg, fresh_atypical=alpha.sum())
+    loss.backward()
+    assert torch.allclose(mu.grad[:, 0], torch.zeros(8), atol=1e-5)
+    assert torch.allclose(logvar.grad[:, 0], torch.zeros(8), atol=1e-5)
+    # Descending narrows latent 1 further (more KL) and spreads its means (more information).
+    assert torch.all(logvar.grad[:, 1] > 0) and torch.all(mu.grad[:, 1] * mu[:, 1].detach() < 0)
+    cfg.fresh_aggregate_weight = 0.0  # eq. 3 alone rewards the filler as much as the information
+    mu.grad, logvar.grad = None, None
+    mdl_loss(torch.zeros(8), kl_per_latent(mu, logvar).sum(1), capacity(0, cfg), cfg).backward()
+    assert torch.all(logvar.grad[:, 0] > 0)
+
+
 def test_masked_latents_get_prior_noise_no_kl_and_no_gradient():
     mu = torch.randn(8, 4, requires_grad=True)
     logvar = torch.randn(8, 4, requires_grad=True)
@@ -134,3 +173,12 @@ def test_runs_from_before_the_new_environment_ramp_resume_without_it(tmp_path):
     d["objective"]["new_env_ramp_steps"] = 1000
     (tmp_path / "config.json").write_text(json.dumps(d))
     assert load_run_config(tmp_path).objective.new_env_ramp_steps == 1000
+
+
+def test_runs_from_before_the_fresh_latent_penalty_resume_without_it(tmp_path):
+    d = build_config("cpu", ["objective.fresh_aggregate_weight=1"]).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    assert load_run_config(tmp_path).objective.fresh_aggregate_weight == 1.0
+    del d["objective"]["fresh_aggregate_weight"]
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    assert load_run_config(tmp_path).objective.fresh_aggregate_weight == 0.0  # as they were trained

@@ -98,6 +98,13 @@ class ObjectiveConfig:
     # information and aggregate-posterior shift (KL = I(x;z) + alpha); the paper assumes
     # E_x q(z|x) ~ p(z) after training (§3.3). 0 is the paper's eq. 3.
     aggregate_weight: float = 0.0
+    # [ours, beyond the paper] The same penalty, but only in an environment allocated after the
+    # first and only on its fresh latents (unmasked, and used by no other environment). Such a
+    # slot, its known latents masked, meets C in fresh latents faster by narrowing or shifting
+    # their posteriors alike for every image than by learning a factor: KL without information,
+    # which leaves them neither spare nor informative (docs/calibration.md). With weight 1 that
+    # costs as much as it earns on the capacity term, so C must be met with information.
+    fresh_aggregate_weight: float = 0.0
     # [ours] A newly allocated environment's own capacity ramp, in steps from 0 to C_max: its
     # target starts from the KL it carries when allocated and climbs at this slope, never above
     # C(t). Without it (0, eq. 3 read literally) a new environment whose known latents are masked
@@ -224,7 +231,8 @@ class Config:
         S, A, SA or SD-[41])."""
         inert = set()
         if not self.inference.enabled or self.objective.mode == "entangled":
-            inert.add("objective.new_env_ramp_steps")
+            # Both act only in an environment allocated after the first, on the capacity objective.
+            inert |= {"objective.new_env_ramp_steps", "objective.fresh_aggregate_weight"}
         if not (self.dream.enabled and self.dream.decoder_term):
             inert.add("dream.decoder_weight")
         return inert
@@ -284,6 +292,8 @@ class Config:
             errs.append("objective.gamma must be >= 0")
         if self.objective.aggregate_weight < 0:
             errs.append("objective.aggregate_weight must be >= 0")
+        if self.objective.fresh_aggregate_weight < 0:
+            errs.append("objective.fresh_aggregate_weight must be >= 0")
         if self.objective.mode not in ("disentangled", "entangled"):
             errs.append("objective.mode must be 'disentangled' or 'entangled'")
         if self.objective.capacity_ramp_steps < 0:
@@ -423,7 +433,9 @@ def load_run_config(run_dir: Path) -> Config:
     # they resume with them (on machines where the two routes differ in the last bits, it matters).
     if isinstance(d.get("model"), dict):
         d["model"].setdefault("weight_grad_kernel", "onednn")
-    # Runs written before objective.new_env_ramp_steps existed gave every environment C(t) at once.
+    # Runs written before objective.new_env_ramp_steps existed gave every environment C(t) at once,
+    # and runs from before objective.fresh_aggregate_weight had no fresh-latent penalty.
     if isinstance(d.get("objective"), dict):
         d["objective"].setdefault("new_env_ramp_steps", 0)
+        d["objective"].setdefault("fresh_aggregate_weight", 0.0)
     return Config.from_dict(d).validate()

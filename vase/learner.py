@@ -86,6 +86,19 @@ class Learner:
         logits = self.model.decoder(z, envs)
         return logits[:batch], logits[batch:]
 
+    def aggregate_shift(self, real: Posterior, mask: torch.Tensor, maskable: torch.Tensor, env: int):
+        """The atypicality (eq. 4) of the masked posterior on this batch, with gradient, summed over
+        the unmasked latents and over env's fresh ones, for the penalties of `mdl_loss`; None where
+        a penalty is off. Fresh: unmasked, and no other environment uses it (not `maskable`); only in
+        an environment allocated after the first (one with its own capacity ramp)."""
+        obj = self.cfg.objective
+        fresh_on = obj.fresh_aggregate_weight and env in self.capacity_starts
+        if not (obj.aggregate_weight or fresh_on):
+            return None, None
+        alpha = atypicality(*prior_where_masked(real.mu, real.logvar, mask))
+        fresh = (alpha * mask * (~maskable).to(mask.dtype)).sum() if fresh_on else None
+        return (alpha.sum() if obj.aggregate_weight else None), fresh
+
     # -- one step --------------------------------------------------------------------------------------
     def training_step(self, x: torch.Tensor) -> StepOutput:
         cfg, t, batch = self.cfg, self.step, x.shape[0]
@@ -133,9 +146,8 @@ class Learner:
         if decision.verdict == "new":  # the first environment is C(t)'s own
             self.capacity_starts[s] = (t, float(kl.detach().mean()))
         target = environment_capacity(t, self.capacity_starts.get(s), cfg.objective)
-        atypical = atypicality(*prior_where_masked(real.mu, real.logvar, mask)).sum() if cfg.objective.aggregate_weight \
-            else None
-        loss_mdl = mdl_loss(recon, kl, target, cfg.objective, atypical)
+        atypical, fresh_atypical = self.aggregate_shift(real, mask, maskable, s)
+        loss_mdl = mdl_loss(recon, kl, target, cfg.objective, atypical, fresh_atypical)
         losses = {"reconstruction": recon.mean(), "kl": kl.mean(), "mdl": loss_mdl}
         loss = loss_mdl
         # Dreaming feedback on past data (eq. 7).

@@ -72,7 +72,7 @@ def environment_capacity(step: int, start: tuple[int, float] | None, cfg: Object
 
 
 def mdl_loss(recon: torch.Tensor, kl: torch.Tensor, target: float, cfg: ObjectiveConfig,
-             atypical: torch.Tensor | None = None) -> torch.Tensor:
+             atypical: torch.Tensor | None = None, fresh_atypical: torch.Tensor | None = None) -> torch.Tensor:
     """Eq. 3: E[-log p(x|z,s)] + gamma |KL - C|, means over the batch.
 
     `target`: C in nats, C(t) (`capacity`) or the environment's own target (`environment_capacity`).
@@ -80,12 +80,16 @@ def mdl_loss(recon: torch.Tensor, kl: torch.Tensor, target: float, cfg: Objectiv
     The paper typesets the capacity term with a square in eq. 8; we follow Burgess et al. and the
     spec (§3) with the absolute value. The entangled baseline is the plain VAE (beta = 1).
 
-    `atypical`: the summed atypicality of the unmasked latents on this batch, penalised with weight
-    gamma * aggregate_weight when that is set ([ours], see ObjectiveConfig).
+    Two penalties on the shift of the aggregate posterior ([ours], see ObjectiveConfig), in units of
+    gamma: `atypical`, the summed atypicality (eq. 4) of the unmasked latents on this batch, with
+    weight aggregate_weight; `fresh_atypical`, the same over a new environment's fresh latents only,
+    with weight fresh_aggregate_weight.
     """
     if cfg.mode == "entangled":
         return recon.mean() + kl.mean()
     loss = recon.mean() + cfg.gamma * (kl.mean() - target).abs()
     if cfg.aggregate_weight and atypical is not None:
         loss = loss + cfg.gamma * cfg.aggregate_weight * atypical
+    if cfg.fresh_aggregate_weight and fresh_atypical is not None:
+        loss = loss + cfg.gamma * cfg.fresh_aggregate_weight * fresh_atypical
     return loss
