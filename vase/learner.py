@@ -90,7 +90,7 @@ class Learner:
         """The atypicality (eq. 4) of the masked posterior on this batch, with gradient, summed over
         the unmasked latents and over env's fresh ones, for the penalties of `mdl_loss`; None where
         a penalty is off. Fresh: unmasked, and no other environment uses it (not `maskable`); only in
-        an environment allocated after the first (one with its own capacity ramp)."""
+        an environment allocated after the first (one in `capacity_starts`)."""
         obj = self.cfg.objective
         fresh_on = obj.fresh_aggregate_weight and env in self.capacity_starts
         if not (obj.aggregate_weight or fresh_on):
