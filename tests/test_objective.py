@@ -88,9 +88,9 @@ def test_aggregate_penalty_pulls_a_shifted_latent_back_and_leaves_an_informative
     assert torch.allclose(logvar.grad[:, 1], torch.zeros(8), atol=1e-6)
 
 
-def test_fresh_latent_penalty_is_off_by_default_and_weighted_in_units_of_gamma():
+def test_fresh_latent_penalty_is_weighted_in_units_of_gamma():
     recon, kl = torch.tensor([100.0, 200.0]), torch.tensor([10.0, 20.0])
-    cfg = ObjectiveConfig(gamma=2.0, capacity_max=25.0, capacity_ramp_steps=100)
+    cfg = ObjectiveConfig(gamma=2.0, capacity_max=25.0, capacity_ramp_steps=100, fresh_aggregate_weight=0.0)
     fresh = torch.tensor(3.0)
     assert float(mdl_loss(recon, kl, capacity(40, cfg), cfg, fresh_atypical=fresh)) == pytest.approx(160.0)
     cfg.fresh_aggregate_weight = 0.5
@@ -176,7 +176,8 @@ def test_runs_from_before_the_new_environment_ramp_resume_without_it(tmp_path):
 
 
 def test_runs_from_before_the_fresh_latent_penalty_resume_without_it(tmp_path):
-    d = build_config("cpu", ["objective.fresh_aggregate_weight=1"]).to_dict()
+    assert build_config("cpu").objective.fresh_aggregate_weight == 1.0
+    d = build_config("cpu").to_dict()
     (tmp_path / "config.json").write_text(json.dumps(d))
     assert load_run_config(tmp_path).objective.fresh_aggregate_weight == 1.0
     del d["objective"]["fresh_aggregate_weight"]
