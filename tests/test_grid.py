@@ -164,7 +164,7 @@ def test_the_new_environment_settings_are_inert_exactly_where_no_environment_is_
     for setting in ("objective.new_env_ramp_steps", "objective.fresh_aggregate_weight"):
         inert = {(row, mode): setting in build_config("cpu", [] if mode == "disentangled" else ["objective.mode=entangled"],
                                                       row).inert_settings()
-                 for row in ("-", "D", "A", "DA", "S", "SA", "SD", "SDA", "SD-[41]") for mode in ("disentangled", "entangled")}
+                 for row in TABLE1_ROWS for mode in ("disentangled", "entangled")}
         assert {key for key, value in inert.items() if not value} == {
             (row, "disentangled") for row in ("S", "SA", "SD", "SDA", "SD-[41]")}, setting
 

@@ -4,6 +4,8 @@ import torch
 
 from vase.config import build_config
 from vase.learner import Learner
+from vase.masking import atypicality
+from vase.objective import prior_where_masked
 
 TINY = ["model.channels=8,8,8,8", "model.hidden=32", "model.latents=6", "model.k_max=4", "dream.batch_size=8",
         "train.batch_size=16"]
@@ -216,9 +218,6 @@ def test_the_fresh_latent_penalty_reads_only_a_new_environments_fresh_latents():
     """objective.fresh_aggregate_weight: the atypicality of the unmasked latents no other
     environment uses, in an environment allocated after the first; nothing in the first, and no push
     on a latent another environment uses or on a masked one."""
-    from vase.masking import atypicality
-    from vase.objective import prior_where_masked
-
     lrn = learner("SDA", ["objective.fresh_aggregate_weight=1"])
     post = lrn.model.encoder(squares(16, torch.Generator().manual_seed(0), 0))
     mask = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 1.0])
@@ -236,9 +235,6 @@ def test_the_fresh_latent_penalty_reads_only_a_new_environments_fresh_latents():
 def test_the_step_adds_the_fresh_latent_penalty_in_a_new_environment():
     """Two learners in the same state, fresh weight 0 and 1: right after a second environment is
     allocated, the step's eq. 3 differs by exactly gamma times the fresh latents' atypicality."""
-    from vase.masking import atypicality
-    from vase.objective import prior_where_masked
-
     x = squares(16, torch.Generator().manual_seed(0), 0)
     mdl, penalty = [], None
     for weight in (0, 1):
