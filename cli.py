@@ -28,6 +28,21 @@ def _show_warnings(ctx: click.Context) -> None:
     ctx.call_on_close(lambda: setattr(warnings, "showwarning", previous))
 
 
+def _device_option(default: str = "auto"):
+    return click.option("--device", default=default, show_default=True, metavar="DEVICE",
+                        help="Where to compute: auto (CUDA, else MPS, else CPU), cpu, cuda, cuda:N or mps. "
+                             "Not part of the run's config: a run resumes on any device.")
+
+
+def _resolve_device(name: str):
+    from vase.device import resolve_device
+
+    try:
+        return resolve_device(name)
+    except VaseError as e:
+        _fail(e)
+
+
 def _check_sequence(ctx, param, value):
     if value is None:
         return value
@@ -77,8 +92,9 @@ def main(ctx):
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.FIELD=VALUE",
               help="Override any config field, e.g. --set mask.lambda_high=2.0 (repeatable).")
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
+@_device_option()
 def train(preset, sequence, steps, ablation, entangled, seed, data_root, download, run_dir, resume_dir,
-          overwrite, overrides, no_progress):
+          overwrite, overrides, no_progress, device):
     """Train VASE over a sequence of environments.
 
     With no options: the full VASE (SDA) on the embedded sprite sequence with the CPU preset.
@@ -101,7 +117,7 @@ def train(preset, sequence, steps, ablation, entangled, seed, data_root, downloa
             cfg = build_config(preset, sets, ablation)
             path = run_dir_for(cfg, run_dir)
         check_run_dir(path, resume=bool(resume_dir), overwrite=overwrite)
-        trainer = Trainer(cfg, path, progress=not no_progress)
+        trainer = Trainer(cfg, path, progress=not no_progress, device=_resolve_device(device))
         prepare_run_dir(path, cfg, resume=bool(resume_dir), overwrite=overwrite)
         results = trainer.train(resume=bool(resume_dir))
         text = summary_text(results, path)
@@ -137,13 +153,14 @@ def _refuse_with_resume(ctx: click.Context) -> None:
 @main.command(name="eval")
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON instead of a table.")
-def evaluate(run_dir, as_json):
+@_device_option()
+def evaluate(run_dir, as_json, device):
     """Recompute probes and metrics from a run's checkpoints and print them."""
     from vase.evaluation import evaluate_run
     from vase.report import summary_text
 
     try:
-        results = evaluate_run(Path(run_dir))
+        results = evaluate_run(Path(run_dir), device=_resolve_device(device))
     except VaseError as e:
         _fail(e)
     click.echo(json.dumps(results, indent=2) if as_json else summary_text(results, Path(run_dir)))
@@ -194,8 +211,13 @@ def table(run_dirs, as_json):
 @click.option("--download", is_flag=True, help="Download MNIST/Fashion-MNIST with torchvision if missing.")
 @click.option("--dry-run", is_flag=True, help="List the runs, their state and their `vase train` commands; train nothing.")
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
+@_device_option()
+@click.option("--gpus", type=click.IntRange(min=0), default=0, show_default=True,
+              help="GPUs of this machine to spread the runs over (each run sees one, via CUDA_VISIBLE_DEVICES).")
+@click.option("--runs-per-gpu", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Runs sharing one GPU at a time (with --gpus; with --ray each run asks for 1/N of a GPU).")
 def grid(rows, modes, seeds, preset, sequence, steps, overrides, root, threads, workers, use_ray, ray_address,
-         data_root, download, dry_run, no_progress):
+         data_root, download, dry_run, no_progress, device, gpus, runs_per_gpu):
     """Run the ablation grid (rows x modes x seeds of `vase train`) and print Table 1.
 
     Runs go in parallel on this machine, or on a Ray cluster with --ray. Run the same command
@@ -209,7 +231,8 @@ def grid(rows, modes, seeds, preset, sequence, steps, overrides, root, threads, 
 
     try:
         spec = GridSpec(parse_rows(rows), parse_modes(modes), parse_seeds(seeds), Path(root), preset,
-                        sequence or PAPER_SEQUENCE, steps, tuple(overrides), threads, data_root, download)
+                        sequence or PAPER_SEQUENCE, steps, tuple(overrides), threads, data_root, download,
+                        "cuda" if gpus or (runs_per_gpu > 1 and (use_ray or ray_address)) else device)
         for run in spec.runs():  # every cell's config is valid before anything starts
             spec.config(run)
         if (use_ray or ray_address) and workers is not None:
@@ -220,11 +243,16 @@ def grid(rows, modes, seeds, preset, sequence, steps, overrides, root, threads, 
                 command = "kept" if status == DONE else "vase " + " ".join(train_arguments(spec, run, status))
                 click.echo(f"{status:6s} {run.name}: {command}")
             return
+        if gpus and (use_ray or ray_address or workers is not None):
+            raise VaseError("--gpus places runs on this machine's GPUs (--runs-per-gpu at a time on each); "
+                            "drop --workers, and with --ray use --runs-per-gpu alone")
         if use_ray or ray_address:
-            backend = RayBackend(threads, ray_address)
+            # The driver may have no GPU while the cluster's nodes do: decide from the options alone.
+            gpu_share = 1.0 / runs_per_gpu if device.startswith("cuda") or runs_per_gpu > 1 else 0.0
+            backend = RayBackend(threads, ray_address, gpu_share)
         else:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-            backend = LocalBackend(workers or max(1, cores // threads))
+            backend = LocalBackend(workers or max(1, cores // threads), gpus=gpus, runs_per_gpu=runs_per_gpu)
         previous = signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's SIGTERM stops the runs as Ctrl-C does
         try:
             report = run_grid(spec, backend, echo=click.echo, progress=not no_progress)
@@ -291,7 +319,12 @@ def data_list():
               help="Steps per environment of the default training run whose peak memory is measured.")
 @click.option("--threads", type=click.IntRange(min=0), default=0, show_default=True,
               help="Torch threads for the timings (0 = library default, as `vase train` uses).")
-def bench(presets, steps, json_out, skip_memory, memory_steps, threads):
+@_device_option("cpu")
+@click.option("--share", type=click.IntRange(min=1), default=8, show_default=True,
+              help="With a CUDA --device: runs training at once on the GPU for the sharing figure (1: skip).")
+@click.option("--compile/--no-compile", "compile_", default=True, show_default=True,
+              help="With an accelerator --device: also time train.compile (compiling takes a minute or two).")
+def bench(presets, steps, json_out, skip_memory, memory_steps, threads, device, share, compile_):
     """Measure step throughput, FLOP/s against this machine's peak, overhead and memory.
 
     Every variant (plain and VASE steps, 1 vs 8 past environments, the code before the speed work,
@@ -301,6 +334,13 @@ def bench(presets, steps, json_out, skip_memory, memory_steps, threads):
     """
     from vase.bench import run_bench
 
+    dev = _resolve_device(device)
+    if dev.type != "cpu":
+        from vase.bench_device import run_device_bench
+
+        run_device_bench(dev, list(presets) or preset_names(), max(steps, 20), json_out, share, 20.0, compile_,
+                         echo=click.echo)
+        return
     try:
         run_bench(list(presets) or preset_names(), steps, json_out, skip_memory,
                   threads=threads, memory_steps=memory_steps)

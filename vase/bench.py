@@ -249,7 +249,7 @@ def prepare_environments(learner, n_envs: int) -> None:
     inf.usage.zero_()
     inf.pending, inf.settling_since = 0, -(10**9)
     for s in range(n_envs):
-        learner.masks.start(s, torch.zeros(cfg.model.latents))
+        learner.masks.start(s, torch.zeros(cfg.model.latents, device=learner.device))
     with torch.no_grad():
         learner.classifier.linear.bias[n_envs - 1] += 50.0
     learner.snapshot.sync(learner.model)
@@ -302,17 +302,17 @@ class ReferenceStep:
     """One plain-VAE step of the reference: encode, reparameterise, decode under env 0, the same MDL
     loss (eq. 3), Adam."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, device: torch.device | str = "cpu"):
         torch.manual_seed(cfg.train.seed)
         self.cfg = cfg
-        self.model = ReferenceVAE(cfg.model)
+        self.model = ReferenceVAE(cfg.model).to(device)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=cfg.train.lr)
         self.step = 0
 
     def training_step(self, x: torch.Tensor) -> float:
         mu, logvar = self.model.encoder(x).chunk(2, dim=1)
         z = mu + (0.5 * logvar).exp() * torch.randn_like(mu)
-        onehot = torch.zeros(x.shape[0], self.cfg.model.k_max)
+        onehot = torch.zeros(x.shape[0], self.cfg.model.k_max, device=x.device)
         onehot[:, 0] = 1.0
         logits = self.model.decoder(torch.cat([z, onehot], dim=1))
         recon = F.binary_cross_entropy_with_logits(logits, x, reduction="none").flatten(1).sum(1)

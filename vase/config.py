@@ -89,7 +89,10 @@ class ModelConfig:
 class ObjectiveConfig:
     # "disentangled": eq. 3 capacity objective; "entangled": plain VAE, beta = 1 (Table 1).
     mode: str = "disentangled"
-    gamma: float = 100.0  # [appendix, quoted elsewhere]; Burgess et al. use 1000
+    gamma: float = 100.0  # [appendix, quoted elsewhere]; Burgess et al. use 1000 (absolute form)
+    # The capacity term: "squared", gamma |KL - C|^2 as eq. 8 and the poster write it, or
+    # "absolute", gamma |KL - C| as Burgess et al. (CCI-VAE) [paper; choice: docs/method.md].
+    capacity_form: str = "absolute"
     capacity_max: float = 25.0  # nats [related]
     # Linear ramp of C(t) over the global step (a pure function of the step) [ours].
     capacity_ramp_steps: int = 3000
@@ -125,10 +128,17 @@ class MaskConfig:
     ema: float = 0.9
 
 
+# Named rule sets of environment inference (docs/method.md, "Rules beyond eq. 6"): "paper" is eq. 3
+# and eq. 6 as written, with the spec's debouncing (patience) and eq. 5's hysteresis; "vase" adds
+# the named rules of `vase.inference`.
+RULE_SETS = ("vase", "paper")
+
+
 @dataclass
 class InferenceConfig:
     # S: environment inference (eq. 6).
     enabled: bool = True
+    rules: str = "vase"  # a name from RULE_SETS
     kappa: float = 2.0  # reconstruction threshold multiple [ours, calibrated: docs/calibration.md]
     # Additive slack of the threshold, kappa * L_s + margin, in nats per image [ours]: once an
     # environment is learnt to ~1 nat (three static sprites), kappa * L alone is batch noise.
@@ -173,6 +183,13 @@ class TrainConfig:
     lr: float = 5e-4  # Adam [related: Burgess et al.]
     seed: int = 0
     threads: int = 0  # torch threads; 0 = library default
+    # Arithmetic of the forward passes: "fp32", or "bf16" autocast (losses stay float32). Measured
+    # by `vase bench --device`; fp32 is the default everywhere (docs/devices.md).
+    precision: str = "fp32"
+    # torch.compile the encoder's and decoder's forward passes (measured by `vase bench --device`).
+    compile: bool = False
+    # Deterministic kernels on accelerators (cuDNN, cuBLAS); the CPU path is deterministic as is.
+    deterministic: bool = False
     checkpoint_every: int = 1000
     log_every: int = 50
     image_every: int = 500
@@ -296,6 +313,10 @@ class Config:
             errs.append("objective.aggregate_weight must be >= 0")
         if self.objective.fresh_aggregate_weight < 0:
             errs.append("objective.fresh_aggregate_weight must be >= 0")
+        if self.objective.capacity_form not in ("squared", "absolute"):
+            errs.append(f"objective.capacity_form must be 'squared' or 'absolute', got {self.objective.capacity_form!r}")
+        if self.inference.rules not in RULE_SETS:
+            errs.append(f"inference.rules must be one of {', '.join(RULE_SETS)}, got {self.inference.rules!r}")
         if self.objective.mode not in ("disentangled", "entangled"):
             errs.append("objective.mode must be 'disentangled' or 'entangled'")
         if self.objective.capacity_ramp_steps < 0:
@@ -332,6 +353,8 @@ class Config:
             errs.append(f"model.channels must be 4 comma-separated integers, got {self.model.channels!r}")
         if self.model.latents < 1:
             errs.append("model.latents must be at least 1")
+        if self.train.precision not in ("fp32", "bf16"):
+            errs.append(f"train.precision must be 'fp32' or 'bf16', got {self.train.precision!r}")
         if self.model.weight_grad_kernel not in ("native", "onednn"):
             errs.append(f"model.weight_grad_kernel must be 'native' or 'onednn', got {self.model.weight_grad_kernel!r}")
         if errs:

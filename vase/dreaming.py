@@ -35,12 +35,13 @@ class Snapshot:
 
         Drawing s' per sample keeps the cost of a step independent of how many environments exist.
         """
-        choice = torch.randint(len(past), (n,), generator=generator)
-        env = torch.tensor(past, dtype=torch.long)[choice]
-        z = torch.randn(n, latents, generator=generator)
-        logits = self.model.decoder(z, env)
+        device = generator.device
+        choice = torch.randint(len(past), (n,), generator=generator, device=device)
+        env = torch.tensor(past, dtype=torch.long, device=device)[choice]
+        z = torch.randn(n, latents, generator=generator, device=device)
+        logits = self.model.decoder(z, env).float()
         x = torch.sigmoid(logits)
-        return Dreams(z, env, x, logits, self.model.encoder(x))
+        return Dreams(z, env, x, logits, Posterior(*(p.float() for p in self.model.encoder(x))))
 
     def state_dict(self) -> dict:
         return self.model.state_dict()

@@ -19,7 +19,7 @@ from vase.data.environments import load_sequence
 from vase.errors import VaseError
 from vase.metrics.disentanglement import dci, mig
 from vase.metrics.factor_latents import strongest_latents
-from vase.networks import Encoder
+from vase.networks import Encoder, place
 from vase.probing import ProbeSuite
 
 # Held-out images per environment for MIG/DCI [ours]: enough for 20-bin histograms, fast on 2 cores.
@@ -36,8 +36,8 @@ class FrozenEncoder:
     numbers (the trained model runs in channels_last, whose float results differ in the 7th digit).
     """
 
-    def __init__(self, cfg_model):
-        self.net = Encoder(cfg_model)
+    def __init__(self, cfg_model, device: torch.device | str = "cpu"):
+        self.net = place(Encoder(cfg_model), device)
 
     def load(self, state: dict) -> "FrozenEncoder":
         self.net.load_state_dict(state)
@@ -62,7 +62,7 @@ def factor_latents(env, encode: FrozenEncoder, x: torch.Tensor) -> dict:
     `factor_latents`, for the trainer and for `vase eval` alike)."""
     post = encode.posterior(x)
     names, factors = env.factor_names(), env.factor_matrix()[: x.shape[0]]
-    return strongest_latents(post.mu.numpy(), factors, names, post.logvar.exp().numpy())
+    return strongest_latents(post.mu.cpu().numpy(), factors, names, post.logvar.exp().cpu().numpy())
 
 
 def encoder_path(run_dir: Path, step: int) -> Path:
@@ -82,7 +82,7 @@ def disentanglement_scores(envs: list, encode, stage: int, seed: int) -> dict:
         if not has_ground_truth(env):
             continue
         n = min(METRIC_IMAGES, len(env))
-        codes = np.concatenate([np.asarray(encode(env.batch(torch.arange(a, min(a + 512, n))))) for a in range(0, n, 512)])
+        codes = np.concatenate([encode(env.batch(torch.arange(a, min(a + 512, n)))).cpu().numpy() for a in range(0, n, 512)])
         factors = env.factor_matrix()[:n]
         rng = np.random.default_rng(seed + i)
         s = {"mig": mig(factors, codes, rng)["mig"]}
@@ -91,7 +91,7 @@ def disentanglement_scores(envs: list, encode, stage: int, seed: int) -> dict:
     return {"stage": stage, "scores": scores}
 
 
-def evaluate_run(run_dir: Path, progress: bool = False) -> dict:
+def evaluate_run(run_dir: Path, progress: bool = False, device: torch.device | str = "cpu") -> dict:
     """Recompute probes and metrics of a finished (or partial) run from its saved encoders."""
     cfg: Config = load_run_config(run_dir)
     results_path = Path(run_dir) / "results.json"
@@ -99,10 +99,10 @@ def evaluate_run(run_dir: Path, progress: bool = False) -> dict:
     files = sorted((Path(run_dir) / "checkpoints" / ENCODER_DIR).glob("step-*.pt"))
     if not files:
         raise VaseError(f"{run_dir} has no saved encoders (checkpoints/{ENCODER_DIR}); was it trained with probes on?")
-    envs = load_sequence(cfg.data, "test", progress=progress)
+    envs = [env.to(device) for env in load_sequence(cfg.data, "test", progress=progress)]
     ends = list(np.cumsum(cfg.data.env_steps()))
     suite = ProbeSuite(envs, cfg.probe)
-    encode = FrozenEncoder(cfg.model)
+    encode = FrozenEncoder(cfg.model, device)
     metrics = []
     for path in files:
         step = int(path.stem.split("-")[1])

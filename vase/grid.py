@@ -115,6 +115,7 @@ class GridSpec:
     threads: int = 1  # torch threads per run (recorded as train.threads: it changes float sums)
     data_root: str | None = None
     download: bool = False
+    device: str = "auto"  # each run's --device; not part of its config, so it does not change the cell
 
     def runs(self) -> list[GridRun]:
         root = Path(self.root).absolute()  # Ray tasks run in another working directory
@@ -192,11 +193,12 @@ def plan(spec: GridSpec) -> list[tuple[GridRun, str]]:
 def train_arguments(spec: GridSpec, run: GridRun, status: str) -> list[str]:
     """The `vase train` arguments that make (or continue) `run`."""
     if status == RESUME:
-        args = ["train", "--resume", str(run.run_dir), "--no-progress"]
+        args = ["train", "--resume", str(run.run_dir), "--no-progress", "--device", spec.device]
         if spec.data_root:
             args += ["--data-root", str(Path(spec.data_root).absolute())]
         return args
-    args = ["train", "--preset", spec.preset, f"--ablation={run.row}", "--run-dir", str(run.run_dir), "--no-progress"]
+    args = ["train", "--preset", spec.preset, f"--ablation={run.row}", "--run-dir", str(run.run_dir), "--no-progress",
+            "--device", spec.device]
     for setting in spec.settings(run):
         args += ["--set", setting]
     return args

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import io
 import logging
+import os
+import queue
 import shutil
 import signal
 import socket
@@ -41,6 +43,7 @@ class Job:
     run_dir: str
     log: str
     files: bytes | None = None  # the run directory so far, for a resume on another node (Ray)
+    env: dict[str, str] = field(default_factory=dict)  # set for the child, e.g. its CUDA_VISIBLE_DEVICES
 
 
 @dataclass
@@ -113,7 +116,7 @@ def execute(job: Job, driver_host: str, command: list[str] | None = None,
         out.write(f"$ vase {' '.join(job.arguments)}   (on {host})\n".encode())
         out.flush()
         proc = subprocess.Popen([*(command or child_command()), *job.arguments], stdout=out,
-                                stderr=subprocess.STDOUT)
+                                stderr=subprocess.STDOUT, env={**os.environ, **job.env} if job.env else None)
         if started:
             started(proc)
         try:
@@ -160,12 +163,37 @@ def receive(job: Job, outcome: Outcome) -> None:
 # -- backends -----------------------------------------------------------------------------------------
 @dataclass
 class LocalBackend:
-    """Up to `workers` runs at a time, as child processes of this one."""
+    """Up to `workers` runs at a time, as child processes of this one.
+
+    With `gpus` > 0 the workers are `gpus` x `runs_per_gpu` GPU seats: each run takes a free seat
+    and sees only that GPU (CUDA_VISIBLE_DEVICES), so small runs share a GPU and no two runs
+    fight over a device they were not given.
+    """
 
     workers: int
     command: list[str] | None = None  # tests replace the child program
+    gpus: int = 0
+    runs_per_gpu: int = 1
     _live: set = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self):
+        self._seats: queue.Queue = queue.Queue()
+        if self.gpus:
+            self.workers = self.gpus * self.runs_per_gpu
+            for _ in range(self.runs_per_gpu):
+                for gpu in range(self.gpus):
+                    self._seats.put(str(gpu))
+
+    def _execute(self, job: Job, host: str) -> Outcome:
+        if not self.gpus:
+            return execute(job, host, self.command, self._started)
+        seat = self._seats.get()
+        job.env = {**job.env, "CUDA_VISIBLE_DEVICES": seat}
+        try:
+            return execute(job, host, self.command, self._started)
+        finally:
+            self._seats.put(seat)
 
     def _started(self, proc: subprocess.Popen) -> None:
         with self._lock:
@@ -174,7 +202,7 @@ class LocalBackend:
     def run(self, jobs: list[Job], on_done: OnDone) -> None:
         host = socket.gethostname()
         pool = ThreadPoolExecutor(max_workers=max(1, self.workers))
-        futures = {pool.submit(execute, job, host, self.command, self._started): job for job in jobs}
+        futures = {pool.submit(self._execute, job, host): job for job in jobs}
         try:
             pending = set(futures)
             while pending:
@@ -207,7 +235,8 @@ def import_ray():
 
 @dataclass
 class RayBackend:
-    """Every run as one Ray task with `threads` CPUs; Ray places the tasks on the cluster's nodes.
+    """Every run as one Ray task with `threads` CPUs and `gpus_per_run` GPUs; Ray places the tasks
+    on the cluster's nodes.
 
     `address` is a running cluster's address ("auto": the one this machine belongs to); None
     starts a Ray instance on this machine for the duration of the grid.
@@ -215,6 +244,7 @@ class RayBackend:
 
     threads: int
     address: str | None = None
+    gpus_per_run: float = 0.0  # a fraction lets several runs share one GPU; Ray sets CUDA_VISIBLE_DEVICES
 
     def run(self, jobs: list[Job], on_done: OnDone) -> None:
         ray = import_ray()
@@ -225,7 +255,7 @@ class RayBackend:
                 options["include_dashboard"] = False
             ray.init(address=self.address, **options)
         host = socket.gethostname()
-        task = ray.remote(num_cpus=self.threads, max_retries=0)(execute)
+        task = ray.remote(num_cpus=self.threads, num_gpus=self.gpus_per_run, max_retries=0)(execute)
         refs = {}
         for job in jobs:
             if (Path(job.run_dir) / "config.json").is_file():  # a resume: its checkpoints go along, in case

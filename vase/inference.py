@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 
 from vase.config import InferenceConfig
-from vase.masking import LatentMasks
+from vase.masking import LatentMasks, information
 
 RECONSTRUCTION = "reconstruction"
 MASK = "mask"
@@ -80,19 +80,24 @@ class Probation:
 class EnvironmentInference:
     """State of eq. 6: environments allocated so far, their running errors L_s and latent usage."""
 
-    def __init__(self, cfg: InferenceConfig, k_max: int, latents: int, use_masks: bool):
+    def __init__(self, cfg: InferenceConfig, k_max: int, latents: int, use_masks: bool,
+                 device: torch.device | str = "cpu"):
         self.cfg = cfg
+        self.device = torch.device(device)
         self.k_max = k_max
         self.use_masks = use_masks
         self.n_envs = 0
         self.current = 0
-        self.errors = torch.zeros(k_max)  # L_s
-        self.usage = torch.zeros(k_max, latents)  # running per-latent information while training in s
-        self.recorded = torch.zeros(k_max, dtype=torch.bool)
+        self.errors = torch.zeros(k_max, device=device)  # L_s
+        self.usage = torch.zeros(k_max, latents, device=device)  # running per-latent information while training in s
+        self.recorded = torch.zeros(k_max, dtype=torch.bool)  # host-side: read by `if`s
         self.pending = 0
         self.settling_since = -(10**9)  # step of the last allocation or mask change of `current`
         self.full_warned = False
         self.probation: Probation | None = None
+
+    # Latent usage is read as information, KL minus atypicality [ours]: see `vase.masking.information`.
+    reading = staticmethod(information)
 
     # -- queries ----------------------------------------------------------------------------------
     def past_environments(self) -> list[int]:
@@ -103,7 +108,7 @@ class EnvironmentInference:
         (-inf where there is none)."""
         others = [s for s in range(self.n_envs) if s != env and bool(self.recorded[s])]
         if not others:
-            return torch.full((self.usage.shape[1],), float("-inf"))
+            return torch.full((self.usage.shape[1],), float("-inf"), device=self.device)
         return self.usage[others].max(0).values
 
     def used(self, env: int) -> torch.Tensor:
@@ -283,14 +288,20 @@ class EnvironmentInference:
             self.settling_since = step
             self.recorded[env] = False
 
-    def record(self, env: int, error: float, information: torch.Tensor) -> None:
-        """Fold a trained batch into L_env and the latent usage (information per latent) of env."""
+    def record(self, env: int, error: torch.Tensor, information: torch.Tensor) -> None:
+        """Fold a trained batch's error (a 0-d tensor, read on the device) into L_env, and its
+        information per latent into the usage of env."""
+        if not torch.is_tensor(error):
+            error = torch.tensor(error, dtype=torch.float64, device=self.device)
         if not self.recorded[env]:
             self.errors[env], self.usage[env] = error, information
             self.recorded[env] = True
             return
         e = self.cfg.error_ema
-        self.errors[env] = e * self.errors[env] + (1 - e) * error
+        # (1 - e) * error is rounded once from double precision, as a Python float would be, so the
+        # running average is the same number whether the error comes as a tensor or as a float.
+        wide = torch.float32 if error.device.type == "mps" else torch.float64
+        self.errors[env] = e * self.errors[env] + ((1 - e) * error.to(wide)).float()
         self.usage[env] = e * self.usage[env] + (1 - e) * information
 
     # -- checkpointing ----------------------------------------------------------------------------
@@ -309,8 +320,13 @@ class EnvironmentInference:
 
     def load_state_dict(self, d: dict) -> None:
         self.n_envs, self.current = int(d["n_envs"]), int(d["current"])
-        self.errors, self.usage, self.recorded = d["errors"].clone(), d["usage"].clone(), d["recorded"].clone()
+        self.errors, self.usage = d["errors"].to(self.device, copy=True), d["usage"].to(self.device, copy=True)
+        self.recorded = d["recorded"].to("cpu", copy=True)
         self.pending, self.settling_since = int(d["pending"]), int(d["settling_since"])
         self.full_warned = bool(d["full_warned"])
         probation = d.get("probation")  # absent from checkpoints written before probation existed
+        if probation is not None:
+            probation = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in probation.items()}
+            probation["mask"] = {k: v.to(self.device) if torch.is_tensor(v) and k != "initialised" else v
+                                 for k, v in probation["mask"].items()}
         self.probation = None if probation is None else Probation(**probation)

@@ -8,6 +8,9 @@ S, D and A are switches of the config; each is visible in `step` as one `if`.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -17,8 +20,10 @@ from vase.config import Config
 from vase.dreaming import Dreams, Snapshot, decoder_proximity, encoder_proximity
 from vase.errors import NumericalError
 from vase.inference import Decision, EnvironmentInference
-from vase.masking import LatentMasks, atypicality, information
-from vase.networks import VAE, EnvironmentClassifier, Posterior
+from vase.paper_inference import PaperInference
+from vase.masking import LatentMasks, atypicality
+from vase.device import precision_context
+from vase.networks import VAE, EnvironmentClassifier, Posterior, place, use_implementation
 from vase.objective import (environment_capacity, kl_per_latent, masked_kl, masked_sample, mdl_loss, prior_where_masked,
                             reconstruction_nll)
 
@@ -42,20 +47,36 @@ class StepOutput:
 
 
 class Learner:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, device: torch.device | str = "cpu"):
         self.cfg = cfg
+        self.device = device = torch.device(device)
         m = cfg.model
-        self.generator = torch.Generator().manual_seed(cfg.train.seed)
-        # Weight init draws from torch's global RNG: seed it from the run seed so runs reproduce.
+        # Every random draw of the step comes from this generator, on the device it feeds.
+        self.generator = torch.Generator(device=device).manual_seed(cfg.train.seed)
+        # Weight init draws from torch's global (CPU) RNG, seeded from the run seed, and happens on
+        # the CPU, so a seed gives the same initial weights on every device.
         torch.manual_seed(cfg.train.seed)
-        self.model = VAE(m)
-        self.classifier = EnvironmentClassifier(m)
+        self.model = place(VAE(m), device)
+        self.classifier = EnvironmentClassifier(m).to(device)
         self.snapshot = Snapshot(self.model)
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=cfg.train.lr, fused=FUSED_ADAM)
+        fused = FUSED_ADAM and device.type in ("cpu", "cuda")
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=cfg.train.lr, fused=fused)
         self.classifier_optimizer = torch.optim.Adam(self.classifier.parameters(), lr=cfg.inference.classifier_lr,
-                                                     fused=FUSED_ADAM)
-        self.masks = LatentMasks(m.k_max, m.latents, cfg.mask)
-        self.inference = EnvironmentInference(cfg.inference, m.k_max, m.latents, use_masks=cfg.mask.enabled)
+                                                     fused=fused)
+        self.masks = LatentMasks(m.k_max, m.latents, cfg.mask, device)
+        paper = cfg.inference.rules == "paper"
+        self.inference = (PaperInference if paper else EnvironmentInference)(
+            cfg.inference, m.k_max, m.latents, use_masks=cfg.mask.enabled, device=device)
+        # The paper's rule set is eq. 3 as written too: none of the objective's [ours] additions.
+        self.objective = dataclasses.replace(cfg.objective, aggregate_weight=0.0, fresh_aggregate_weight=0.0,
+                                             new_env_ramp_steps=0) if paper else cfg.objective
+        self.autocast = precision_context(device, cfg.train.precision)
+        if cfg.train.precision != "fp32":  # the CPU "fast" layers are float32 only: autocast needs plain ones
+            use_implementation(self.model, "nchw")
+            use_implementation(self.snapshot.model, "nchw")
+        if cfg.train.compile:  # after the snapshot's copy, which must keep the plain forward
+            for net in (self.model.encoder, self.model.decoder):
+                net.forward = torch.compile(net.forward)
         # Per environment slot after the first: (step allocated, KL carried then), for
         # objective.new_env_ramp_steps.
         self.capacity_starts: dict[int, tuple[int, float]] = {}
@@ -73,17 +94,19 @@ class Learner:
         past = self.dream_environments() if self.cfg.dream.enabled else []
         if not past or self.inference.n_envs == 0:
             return None
-        return self.snapshot.dream(past, self.cfg.dream.batch_size, self.cfg.model.latents, self.generator)
+        with self.autocast():
+            return self.snapshot.dream(past, self.cfg.dream.batch_size, self.cfg.model.latents, self.generator)
 
     def decode(self, posterior: Posterior, noise: torch.Tensor, env: int, dreams: Dreams | None):
         """Decode the real batch under env (masked posterior, eq. 2) and the dreams under s', in one pass."""
         batch = noise.shape[0]
         mask = self.masks.mask(env)
         z = masked_sample(posterior.mu[:batch], posterior.logvar[:batch], mask, noise)
-        envs = torch.full((batch,), env, dtype=torch.long)
+        envs = torch.full((batch,), env, dtype=torch.long, device=self.device)
         if dreams is not None:
             z, envs = torch.cat([z, dreams.z]), torch.cat([envs, dreams.env])
-        logits = self.model.decoder(z, envs)
+        with self.autocast():
+            logits = self.model.decoder(z, envs).float()
         return logits[:batch], logits[batch:]
 
     def aggregate_shift(self, real: Posterior, mask: torch.Tensor, maskable: torch.Tensor, env: int):
@@ -91,7 +114,7 @@ class Learner:
         the unmasked latents and over env's fresh ones, for the penalties of `mdl_loss`; None where
         a penalty is off. Fresh: unmasked, and no other environment uses it (not `maskable`); only in
         an environment allocated after the first (one in `capacity_starts`)."""
-        obj = self.cfg.objective
+        obj = self.objective
         fresh_on = obj.fresh_aggregate_weight and env in self.capacity_starts
         if not (obj.aggregate_weight or fresh_on):
             return None, None
@@ -105,14 +128,15 @@ class Learner:
         dreams = self.dream()  # D: imagined past data, no autograd through the snapshot
         # One encoder pass serves the real batch and the dreams.
         inputs = x if dreams is None else torch.cat([x, dreams.x])
-        posterior = self.model.encoder(inputs)
+        with self.autocast():
+            posterior = Posterior(*(p.float() for p in self.model.encoder(inputs)))
         real = Posterior(*(p[:batch] for p in posterior))
         with torch.no_grad():
             alpha = atypicality(real.mu, real.logvar)  # eq. 4
             kl_batch = kl_per_latent(real.mu, real.logvar).mean(0)
-            # Latent usage for eq. 5-6 is read as information, not KL [ours]: see `information`.
-            info_batch = information(kl_batch, alpha)
-        noise = torch.randn(real.mu.shape, generator=self.generator)
+            # Latent usage for eq. 5-6, as the rule set reads it (information or KL).
+            info_batch = self.inference.reading(kl_batch, alpha)
+        noise = torch.randn(real.mu.shape, generator=self.generator, device=self.device)
         class_logits = self.classifier(posterior.hidden) if cfg.inference.enabled else None
 
         decoded: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -130,11 +154,13 @@ class Learner:
                 t, probs, alpha, info_batch, self.masks, lambda env: float(reconstruct(env)[2].detach().mean())
             )
         else:
-            decision = self.inference.infer(t, torch.ones(1), alpha, info_batch, self.masks, lambda env: 0.0) \
+            decision = self.inference.infer(t, torch.ones(1, device=self.device), alpha, info_batch, self.masks, lambda env: 0.0) \
                 if self.inference.n_envs == 0 else Decision(t, 0, 0, "same")
         s = decision.env
-        # Which latents a^s may switch off [ours]: other slots' latents with S, learnt ones without.
-        maskable = self.inference.maskable(s) if cfg.inference.enabled else self.masks.learnt[s].clone()
+        # Which latents a^s may switch off: any (eq. 5, the paper rules); other slots' latents with S
+        # and the vase rules, learnt ones with one slot [ours, docs/method.md].
+        maskable = self.masks.learnt[s].clone() if not cfg.inference.enabled and cfg.inference.rules == "vase" \
+            else self.inference.maskable(s)
         if decision.allocated:
             self.masks.start(s, alpha, maskable)
             self.snapshot.sync(self.model)  # [ours]: dreams of the old environments from the model that knew them
@@ -145,9 +171,9 @@ class Learner:
         kl = masked_kl(real.mu, real.logvar, mask)
         if decision.verdict == "new":  # the first environment is C(t)'s own
             self.capacity_starts[s] = (t, float(kl.detach().mean()))
-        target = environment_capacity(t, self.capacity_starts.get(s), cfg.objective)
+        target = environment_capacity(t, self.capacity_starts.get(s), self.objective)
         atypical, fresh_atypical = self.aggregate_shift(real, mask, maskable, s)
-        loss_mdl = mdl_loss(recon, kl, target, cfg.objective, atypical, fresh_atypical)
+        loss_mdl = mdl_loss(recon, kl, target, self.objective, atypical, fresh_atypical)
         losses = {"reconstruction": recon.mean(), "kl": kl.mean(), "mdl": loss_mdl}
         loss = loss_mdl
         # Dreaming feedback on past data (eq. 7).
@@ -159,19 +185,21 @@ class Learner:
                 losses["dream_decoder"] = decoder_proximity(dream_logits, dreams.logits)
                 loss = loss + cfg.dream.decoder_weight * losses["dream_decoder"]
         losses["total"] = loss
+        if cfg.inference.enabled:  # q_psi reads the encoder's features detached, so its update is separate
+            losses["classifier"] = self._train_classifier(class_logits, s, batch, dreams)
 
-        self._check_finite(losses)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        self._check_gradients()
+        # One host read per step: every loss term and the gradient norm, for the checks and the logs.
+        readings = torch.stack([*(v.detach() for v in losses.values()), self._gradient_norm()]).tolist()
+        values = dict(zip(losses, readings))
+        self._check_finite(values, readings[-1])
         self.optimizer.step()
-        if cfg.inference.enabled:
-            losses["classifier"] = self._train_classifier(class_logits, s, batch, dreams)
 
         # Bookkeeping of eq. 5 and eq. 6 for the environment just trained (not on a doubtful batch).
         if decision.verdict != "pending":
             # Masked latents are prior noise (eq. 2): they carry nothing for this environment.
-            self.inference.record(s, float(recon.detach().mean()), torch.where(mask.bool(), info_batch, 0.0))
+            self.inference.record(s, recon.detach().mean(), torch.where(mask.bool(), info_batch, 0.0))
             used = None if cfg.inference.enabled else self.inference.used(s)  # the single-slot rule's record
             if cfg.mask.enabled and not torch.equal(self.masks.update(s, alpha, maskable, used), mask):
                 self.inference.resettle(s, t)  # L_s was measured under the old mask
@@ -181,38 +209,39 @@ class Learner:
         return StepOutput(
             step=t,
             decision=decision,
-            losses={k: float(v.detach()) if torch.is_tensor(v) else v for k, v in losses.items()},
+            losses=values,
             kl_per_latent=kl_batch,
             alpha=alpha,
             mask=mask,
             extra={"capacity": target},
         )
 
-    def _train_classifier(self, logits: torch.Tensor, env: int, batch: int, dreams: Dreams | None) -> float:
+    def _train_classifier(self, logits: torch.Tensor, env: int, batch: int, dreams: Dreams | None) -> torch.Tensor:
         """q_psi: cross-entropy on the real batch (inferred label) and on dreams (their label)."""
-        labels = torch.full((batch,), env, dtype=torch.long)
+        labels = torch.full((batch,), env, dtype=torch.long, device=self.device)
         if dreams is not None:
             labels = torch.cat([labels, dreams.env])
         loss = F.cross_entropy(logits, labels)
         self.classifier_optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.classifier_optimizer.step()
-        return float(loss.detach())
+        return loss.detach()
 
-    def _check_finite(self, losses: dict[str, torch.Tensor]) -> None:
+    def _gradient_norm(self) -> torch.Tensor:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+
+    def _check_finite(self, losses: dict[str, float], gradient_norm: float) -> None:
+        """Stop before the update on a NaN or Inf, naming the term (the loss first, then the gradient)."""
         for name, value in losses.items():
-            if not torch.isfinite(value):
+            if not math.isfinite(value):
                 raise NumericalError(
-                    f"step {self.step}: loss term '{name}' is {float(value.detach())}; the run stopped and the last "
+                    f"step {self.step}: loss term '{name}' is {value}; the run stopped and the last "
                     "good checkpoint is kept (try a lower train.lr)"
                 )
-
-    def _check_gradients(self) -> None:
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-        if not torch.isfinite(norm):
+        if not math.isfinite(gradient_norm):
             raise NumericalError(
-                f"step {self.step}: the gradient of the total loss is {float(norm)}; the run stopped and the "
+                f"step {self.step}: the gradient of the total loss is {gradient_norm}; the run stopped and the "
                 "last good checkpoint is kept (try a lower train.lr)"
             )
 
@@ -234,7 +263,7 @@ class Learner:
         """Reconstruction from mu under env with a^env (masked latents at the prior mean, 0)."""
         post = self.model.encoder(x)
         z = post.mu * self.masks.mask(env)
-        return torch.sigmoid(self.model.decoder(z, torch.full((x.shape[0],), env, dtype=torch.long)))
+        return torch.sigmoid(self.model.decoder(z, torch.full((x.shape[0],), env, dtype=torch.long, device=self.device)))
 
     @torch.no_grad()
     def reconstruction_error(self, x: torch.Tensor, env: int) -> float:
@@ -257,6 +286,7 @@ class Learner:
             "inference": self.inference.state_dict(),
             "capacity_starts": dict(self.capacity_starts),
             "generator": self.generator.get_state(),
+            "generator_device": self.device.type,
             "torch_rng": torch.get_rng_state(),
         }
 
@@ -270,5 +300,15 @@ class Learner:
         self.masks.load_state_dict(d["masks"])
         self.inference.load_state_dict(d["inference"])
         self.capacity_starts = dict(d.get("capacity_starts", {}))  # absent in checkpoints from before it
-        self.generator.set_state(d["generator"])
+        # A CPU generator's state cannot seed a CUDA one (different algorithms). Moved to another
+        # kind of device, the run continues from a fresh stream derived from its seed and step:
+        # it resumes, but not bit for bit (docs/devices.md).
+        saved_on = d.get("generator_device", "cpu")
+        if saved_on == self.device.type:
+            self.generator.set_state(d["generator"])
+        else:
+            warnings.warn(f"this run's checkpoint was written on {saved_on} and resumes on {self.device.type}: its "
+                          "random stream restarts from a seed derived from (train.seed, step), so the continuation "
+                          "is not bit-identical to an uninterrupted run", stacklevel=2)
+            self.generator.manual_seed(self.cfg.train.seed * 1_000_003 + self.step)
         torch.set_rng_state(d["torch_rng"])

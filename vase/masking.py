@@ -59,12 +59,13 @@ class LatentMasks:
       them in the "A" and "DA" rows (docs/calibration.md).
     """
 
-    def __init__(self, k_max: int, latents: int, cfg: MaskConfig):
+    def __init__(self, k_max: int, latents: int, cfg: MaskConfig, device: torch.device | str = "cpu"):
         self.cfg = cfg
-        self.masks = torch.ones(k_max, latents)
-        self.alpha = torch.zeros(k_max, latents)
-        self.initialised = torch.zeros(k_max, dtype=torch.bool)
-        self.learnt = torch.zeros(k_max, latents, dtype=torch.bool)  # used while settled; never cleared
+        self.device = torch.device(device)
+        self.masks = torch.ones(k_max, latents, device=device)
+        self.alpha = torch.zeros(k_max, latents, device=device)
+        self.initialised = torch.zeros(k_max, dtype=torch.bool)  # host-side: read by `if`s
+        self.learnt = torch.zeros(k_max, latents, dtype=torch.bool, device=device)  # used while settled; never cleared
 
     def mask(self, env: int) -> torch.Tensor:
         if not self.cfg.enabled:
@@ -121,8 +122,9 @@ class LatentMasks:
         }
 
     def load_state_dict(self, d: dict) -> None:
-        self.masks = d["masks"].clone()
-        self.alpha = d["alpha"].clone()
-        self.initialised = d["initialised"].clone()
+        self.masks = d["masks"].to(self.device, copy=True)
+        self.alpha = d["alpha"].to(self.device, copy=True)
+        self.initialised = d["initialised"].to("cpu", copy=True)
         # Checkpoints written before the single-slot rule have no record: nothing learnt yet.
-        self.learnt = d["learnt"].clone() if "learnt" in d else torch.zeros_like(self.masks, dtype=torch.bool)
+        self.learnt = d["learnt"].to(self.device, copy=True) if "learnt" in d else \
+            torch.zeros_like(self.masks, dtype=torch.bool)

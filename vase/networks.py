@@ -243,6 +243,20 @@ def _default_implementation(cfg: ModelConfig) -> str:
     return "fast" if cfg.channels_last else "nchw"
 
 
+def place(module: nn.Module, device: torch.device | str) -> nn.Module:
+    """Move a model to `device` with the conv implementation that suits it.
+
+    The CPU keeps the implementation its config chose (the "fast" paths are CPU work-arounds for
+    oneDNN, docs/benchmarks.md). Elsewhere the convs are plain PyTorch layers on NCHW tensors, which
+    cuDNN (or MPS) runs as they are.
+    """
+    device = torch.device(device)
+    if device.type == "cpu":
+        return module.to(device)
+    module = module.to(device=device, memory_format=torch.contiguous_format)
+    return use_implementation(module, "nchw")
+
+
 # glibc's malloc gives freed blocks above a (dynamic) threshold back to the kernel, so the tens of
 # MB of activations of every training step were page-faulted in again on the next step (~27k minor
 # faults and ~50-70 ms of system time per step of the paper preset, ~14k for the cpu preset).

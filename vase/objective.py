@@ -71,14 +71,21 @@ def environment_capacity(step: int, start: tuple[int, float] | None, cfg: Object
     return min(target, kl_s + cfg.capacity_max * (step - t_s) / cfg.new_env_ramp_steps)
 
 
+def capacity_penalty(kl: torch.Tensor, target: float, form: str) -> torch.Tensor:
+    """|KL - C|^2 (form "squared", eq. 8 of the paper and its poster) or |KL - C| (form "absolute",
+    Burgess et al.'s CCI-VAE), of the batch's mean KL. The two have different units, so gamma is
+    calibrated per form (docs/method.md)."""
+    gap = kl.mean() - target
+    return gap.pow(2) if form == "squared" else gap.abs()
+
+
 def mdl_loss(recon: torch.Tensor, kl: torch.Tensor, target: float, cfg: ObjectiveConfig,
              atypical: torch.Tensor | None = None, fresh_atypical: torch.Tensor | None = None) -> torch.Tensor:
-    """Eq. 3: E[-log p(x|z,s)] + gamma |KL - C|, means over the batch.
+    """Eq. 3 / eq. 8: E[-log p(x|z,s)] + gamma |KL - C|^2 (or |KL - C|, objective.capacity_form),
+    means over the batch.
 
     `target`: C in nats, C(t) (`capacity`) or the environment's own target (`environment_capacity`).
-
-    The paper typesets the capacity term with a square in eq. 8; we follow Burgess et al. and the
-    spec (§3) with the absolute value. The entangled baseline is the plain VAE (beta = 1).
+    The entangled baseline is the plain VAE (beta = 1).
 
     Two penalties on the shift of the aggregate posterior ([ours], see ObjectiveConfig), in units of
     gamma: `atypical`, the summed atypicality (eq. 4) of the unmasked latents on this batch, with
@@ -87,7 +94,7 @@ def mdl_loss(recon: torch.Tensor, kl: torch.Tensor, target: float, cfg: Objectiv
     """
     if cfg.mode == "entangled":
         return recon.mean() + kl.mean()
-    loss = recon.mean() + cfg.gamma * (kl.mean() - target).abs()
+    loss = recon.mean() + cfg.gamma * capacity_penalty(kl, target, cfg.capacity_form)
     if cfg.aggregate_weight and atypical is not None:
         loss = loss + cfg.gamma * cfg.aggregate_weight * atypical
     if cfg.fresh_aggregate_weight and fresh_atypical is not None:

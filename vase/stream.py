@@ -32,5 +32,5 @@ class Stream:
     def batch(self, step: int, generator: torch.Generator) -> torch.Tensor:
         """A uniformly sampled batch of the environment that is active at `step` (one gather, no loop)."""
         env = self.envs[self.env_index(step)]
-        idx = torch.randint(len(env), (self.batch_size,), generator=generator)
+        idx = torch.randint(len(env), (self.batch_size,), generator=generator, device=generator.device)
         return env.batch(idx)

@@ -18,6 +18,7 @@ from vase import kernels
 from vase.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint, save_weights, write_atomic
 from vase.config import Config
 from vase.data.environments import load_sequence
+from vase.device import configure_determinism, describe
 from vase.errors import CheckpointError, NumericalError, VaseError
 from vase.evaluation import (
     ENCODER_DIR, FrozenEncoder, disentanglement_scores, encoder_path, factor_latents, held_out_images,
@@ -137,20 +138,23 @@ class RunRecord:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run_dir: Path, progress: bool = True):
+    def __init__(self, cfg: Config, run_dir: Path, progress: bool = True, device: torch.device | str = "cpu"):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.progress = progress and cfg.train.progress
+        self.device = torch.device(device)
         if cfg.train.threads > 0:
             torch.set_num_threads(cfg.train.threads)
-        self.envs = load_sequence(cfg.data, "train", progress=self.progress)
-        self.test_envs = load_sequence(cfg.data, "test", progress=self.progress)
+        configure_determinism(self.device, cfg.train.deterministic)
+        # The images live on the device as uint8; batches are drawn and converted there.
+        self.envs = [env.to(self.device) for env in load_sequence(cfg.data, "train", progress=self.progress)]
+        self.test_envs = [env.to(self.device) for env in load_sequence(cfg.data, "test", progress=self.progress)]
         self.stream = Stream(self.envs, cfg.data.env_steps(), cfg.train.batch_size)
         # Probes see the encoder exactly as `vase eval` rebuilds it from the saved weights (a plain
         # Encoder, not the trained one's channels_last copy), so both give bit-identical numbers.
         # Built before the Learner, which then seeds the global RNG for its own weights.
-        self.frozen_encoder = FrozenEncoder(cfg.model)
-        self.learner = Learner(cfg)
+        self.frozen_encoder = FrozenEncoder(cfg.model, self.device)
+        self.learner = Learner(cfg, self.device)
         self.probes = ProbeSuite(self.test_envs, cfg.probe) if cfg.probe.enabled else None
         self.record = RunRecord.empty()
         self.held_out = [held_out_images(env) for env in self.test_envs]
@@ -178,7 +182,7 @@ class Trainer:
             warnings.warn(f"{self.run_dir} was stopped before its first checkpoint; training it again from step 0")
             self._discard_after(0)
             return 0
-        state, meta = load_checkpoint(self.run_dir)
+        state, meta = load_checkpoint(self.run_dir)  # on the CPU; each part moves to its device
         self.learner.load_state_dict(state["learner"])
         self.record = RunRecord(**state["record"])
         if self.probes:
@@ -440,6 +444,7 @@ class Trainer:
             "seed": self.cfg.train.seed,
             "steps": self.learner.step,
             "wall_time_s": round(self.record.wall_time, 1),
+            "device": describe(self.device),
             # The route decides the last bits of every gradient, so it is part of what reproduces a run.
             "weight_gradients": kernels.route(self.cfg.model.weight_grad_kernel),
             "environments_inferred": self.learner.inference.n_envs,

@@ -30,14 +30,16 @@ def traversal_grid(learner, image: torch.Tensor, env: int, used_kl: float) -> to
     mask = learner.masks.mask(env)
     base = post.mu[0] * mask
     n = base.shape[0]
-    values = TRAVERSAL_VALUES.to(base.dtype)
+    values = TRAVERSAL_VALUES.to(base.device, base.dtype)
     z = base.repeat(n * len(values), 1)
-    rows = torch.arange(n).repeat_interleave(len(values))
-    z[torch.arange(z.shape[0]), rows] = values.repeat(n)
-    frames = torch.sigmoid(learner.model.decoder(z, torch.full((z.shape[0],), env, dtype=torch.long)))
+    rows = torch.arange(n, device=z.device).repeat_interleave(len(values))
+    z[torch.arange(z.shape[0], device=z.device), rows] = values.repeat(n)
+    envs = torch.full((z.shape[0],), env, dtype=torch.long, device=z.device)
+    frames = torch.sigmoid(learner.model.decoder(z, envs)).cpu()
     frames = frames.expand(-1, 3, -1, -1).reshape(n, len(values), 3, *frames.shape[-2:])
-    usage = learner.inference.usage[env] if learner.cfg.inference.enabled else torch.full((n,), used_kl + 1)
-    kl = kl_per_latent(post.mu, post.logvar)[0]
+    usage = learner.inference.usage[env].cpu() if learner.cfg.inference.enabled else torch.full((n,), used_kl + 1)
+    mask = mask.cpu()
+    kl = kl_per_latent(post.mu, post.logvar)[0].cpu()
     order = torch.argsort(kl, descending=True)
     band = torch.empty(n, 1, 3, *frames.shape[-2:])
     for i in range(n):
@@ -56,11 +58,11 @@ def cross_domain_panel(learner, images: torch.Tensor, slots: int) -> torch.Tenso
     reading of the same latents: the homologies VASE found between the environments.
     """
     decoded = [learner.reconstruct_mean(images, s) for s in range(slots)]
-    return torch.stack([images, *decoded], dim=1)
+    return torch.stack([images, *decoded], dim=1).cpu()
 
 
 def mask_image(masks: torch.Tensor, n_envs: int, scale: int = 12) -> torch.Tensor:
     """The masks a^s of the allocated environments as a (3, H, W) image: rows envs, columns latents."""
-    m = masks[: max(n_envs, 1)].float()
+    m = masks[: max(n_envs, 1)].float().cpu()
     img = m.repeat_interleave(scale, 0).repeat_interleave(scale, 1)
     return img[None].expand(3, -1, -1)

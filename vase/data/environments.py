@@ -9,6 +9,7 @@ seed, so every run with the same data settings sees exactly the same images.
 """
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -37,6 +38,11 @@ class Environment:
 
     def __len__(self) -> int:
         return self.images.shape[0]
+
+    def to(self, device: torch.device | str) -> "Environment":
+        """The same environment with its uint8 images on `device`, where batches are then drawn
+        and converted: one upload per run, no host copy per step."""
+        return dataclasses.replace(self, images=self.images.to(device))
 
     def batch(self, idx: torch.Tensor) -> torch.Tensor:
         """float32 (B, 1, 64, 64) in [0, 1]: one gather and one conversion, no per-sample loop."""

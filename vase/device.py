@@ -1,0 +1,94 @@
+"""Where a run computes: `--device auto|cpu|cuda|cuda:N|mps`, resolved once and passed down.
+
+The device is a property of the machine, not of the experiment: it is not part of the config,
+so a run trained on a GPU resumes on a CPU and the other way round (`results.json` records it).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+import torch
+
+from vase.errors import VaseError
+
+DEVICE_CHOICES = "auto, cpu, cuda, cuda:N or mps"
+
+
+class DeviceError(VaseError):
+    """A device that this machine does not have."""
+
+
+def _mps_available() -> bool:
+    mps = getattr(torch.backends, "mps", None)
+    return bool(mps and mps.is_available())
+
+
+def resolve_device(name: str | torch.device | None = "auto") -> torch.device:
+    """The torch.device for a `--device` value, or one clear DeviceError.
+
+    "auto" takes CUDA if available, else MPS, else the CPU.
+    """
+    if isinstance(name, torch.device):
+        return name
+    text = (name or "auto").strip().lower()
+    if text == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        return torch.device("mps" if _mps_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise DeviceError(f"unknown device {name!r}; use {DEVICE_CHOICES}") from None
+    if device.type == "cpu":
+        return device
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch has no CUDA support" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise DeviceError(f"--device {text}: {why} on this machine; use --device cpu (or auto)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise DeviceError(
+                f"--device {text}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0"
+            )
+        return device
+    if device.type == "mps":
+        if not _mps_available():
+            raise DeviceError(f"--device {text}: MPS (Apple GPU) is not available on this machine; use --device cpu")
+        return device
+    raise DeviceError(f"unsupported device {name!r}; use {DEVICE_CHOICES}")
+
+
+def configure_determinism(device: torch.device, deterministic: bool) -> None:
+    """train.deterministic: deterministic kernels on accelerators (the CPU path is deterministic as is).
+
+    cuBLAS needs its workspace setting before its first call to be reproducible; cuDNN's autotuner
+    picks kernels by timing, so it is off too.
+    """
+    if device.type == "cpu" or not deterministic:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+
+
+def describe(device: torch.device) -> str:
+    """What results.json records: the device and, on CUDA, the GPU's name."""
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return str(device)
+
+
+PRECISIONS = ("fp32", "bf16")
+
+
+def precision_context(device: torch.device, precision: str):
+    """train.precision: a factory of the context the forward passes run in.
+
+    "bf16" runs them under autocast (matmuls and convs in bfloat16, losses in float32); "fp32" is
+    plain float32, with no context at all, so the CPU path stays bit for bit what it was.
+    """
+    if precision == "fp32":
+        return contextlib.nullcontext
+    return functools.partial(torch.autocast, device_type=device.type, dtype=torch.bfloat16)
