@@ -2,6 +2,7 @@
 ranges, Fig. 5A's interpolations and readings, and the files the CLI writes from a tiny run."""
 from __future__ import annotations
 
+from itertools import pairwise
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -10,15 +11,29 @@ import pytest
 import torch
 from click.testing import CliRunner
 from PIL import Image
+from test_cli import tiny_args
 
 from cli import main
-from test_cli import tiny_args
-from vase.ambiguity import WEIGHTS, context_batch, crossing, interpolate, measure_ambiguity, specific_latents
+from vase.ambiguity import (
+    WEIGHTS,
+    context_batch,
+    crossing,
+    interpolate,
+    measure_ambiguity,
+    specific_latents,
+)
 from vase.config import build_config
 from vase.inspection import open_run, trained_slots, write_ambiguity
 from vase.metrics.plots import traversal_figure
 from vase.networks import Posterior
-from vase.visualize import MASKED, SPARE, USED, traversal_animation, traversal_frames, traversal_grid
+from vase.visualize import (
+    MASKED,
+    SPARE,
+    USED,
+    traversal_animation,
+    traversal_frames,
+    traversal_grid,
+)
 
 SIDE, LATENTS, MOVER = 16, 6, 2  # the fake decoder draws 16x16 images; latent 2 moves a square
 
@@ -65,7 +80,7 @@ def test_the_swept_latent_moves_the_square_and_the_others_do_not():
     frames, latents = traversal_frames(fake_learner(), seed, 0, torch.tensor([0, MOVER, 5]))
     assert frames.shape == (3, 7, 1, SIDE, SIDE) and latents.tolist() == [0, MOVER, 5]
     columns = [column_of_square(f) for f in frames[1]]
-    assert all(b > a for a, b in zip(columns, columns[1:]))  # -2..2 moves it right, step by step
+    assert all(b > a for a, b in pairwise(columns))  # -2..2 moves it right, step by step
     assert columns[-1] - columns[0] >= 6
     for row in (0, 2):
         assert all(torch.equal(f, frames[row][0]) for f in frames[row])  # not this latent's square
@@ -80,7 +95,7 @@ def test_the_animation_moves_only_the_swept_latents_tile():
     # Two tiles side by side (2 columns), each 2 + SIDE tall, padded by 2.
     tile = lambda p, i: p[:, 2 + 2:2 + 2 + SIDE, 2 + i * (SIDE + 2):2 + i * (SIDE + 2) + SIDE]
     moving = [column_of_square(tile(p, 0)) for p in pictures]
-    assert all(b > a for a, b in zip(moving, moving[1:]))
+    assert all(b > a for a, b in pairwise(moving))
     assert all(torch.equal(tile(p, 1), tile(pictures[0], 1)) for p in pictures)
     assert torch.allclose(pictures[0][:, 2, 2], torch.tensor(USED))  # the band of the used latent
 

@@ -79,17 +79,16 @@ class AmbiguityResult:
         def show(w):
             return "never" if w is None else f"w = {w:.2f}"
 
-        lines = [
-            f"ambiguity between {self.env_a} (slot {self.slot_a}) and {self.env_b} (slot {self.slot_b}): "
-            f"x = (1 - w) {self.env_a} + w {self.env_b}",
+        return [
+            (f"ambiguity between {self.env_a} (slot {self.slot_a}) and {self.env_b} (slot {self.slot_b}): "
+             f"x = (1 - w) {self.env_a} + w {self.env_b}"),
             "  per example, q(s=A|x) falls from 0.9 to 0.1 over a width of "
             + ("- (it does not cross both levels)" if self.sharpness is None else f"{self.sharpness:.2f} in w"),
             "  batch-averaged q(s=A) falls below 0.5 (the slot switches) at: "
             + "; ".join(f"{100 * c:.0f}% real from A: {show(s)}" for c, s in zip(self.contexts, self.switch)),
-            f"  latents only {self.env_a}'s slot uses: {self.latents_a or '-'}; only {self.env_b}'s: "
-            f"{self.latents_b or '-'}",
+            (f"  latents only {self.env_a}'s slot uses: {self.latents_a or '-'}; only {self.env_b}'s: "
+             f"{self.latents_b or '-'}"),
         ]
-        return lines
 
     def write_csv(self, grid_path: Path, latents_path: Path) -> None:
         with open(grid_path, "w", newline="") as f:

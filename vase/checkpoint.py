@@ -167,6 +167,7 @@ def _one_line(error: Exception) -> str:
 
 def load_checkpoint(run_dir: Path, step: int | None = None) -> tuple[dict, dict]:
     """Load the newest checkpoint that verifies; say so (a warning) when that is not latest.pt.
+
     With `step`, load the verified checkpoint of that step instead (a run keeps two: latest and
     previous), with no warning: the older one was asked for.
 

@@ -9,7 +9,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vase.metrics.plots import atypicality_figure, cross_domain_figure, latent_use_figure, probe_curves_figure
+from vase.metrics.plots import (
+    atypicality_figure,
+    cross_domain_figure,
+    latent_use_figure,
+    probe_curves_figure,
+)
 from vase.visualize import cross_domain_panel
 
 # Held-out images of the source environment in a one-environment cross-domain figure.

@@ -151,8 +151,9 @@ def write_traversals(trainer, out: Path, tag: str, used_only: bool, image: int, 
                 echo(f"traversals: slot {slot} ({name}) uses no latent above {used_kl:g} nat; skipped")
                 continue
         frames, _ = traversal_frames(learner, seed, slot, latents)
+        # Grey padding: frames stay apart on white backgrounds (inverse Fashion) as on black ones.
         mosaic = make_grid(frames.reshape(-1, *frames.shape[2:]).expand(-1, 3, -1, -1), nrow=frames.shape[1],
-                           pad_value=1.0)
+                           pad_value=0.5)
         labels = [f"z{n} {usage[n]:.1f}" for n in latents.tolist()]
         slot_labels = [f"{s}*" if s == slot else str(s) for s in range(colours.shape[1])]
         title = (f"slot {slot} ({name}, held-out #{image}), step {learner.step}\nlatents by information (nats) "

@@ -27,7 +27,7 @@ from vase.masking import atypicality, information
 from vase.objective import kl_per_latent
 from vase.probing import ProbeSuite
 from vase.stream import Stream
-from vase.visualize import cross_domain_panel, mask_image, reconstruction_grid, traversal_grid
+from vase.visualize import mask_image, reconstruction_grid, traversal_grid
 
 PANEL = 8  # images per environment in the reconstruction and traversal panels
 

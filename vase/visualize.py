@@ -91,6 +91,6 @@ def traversal_animation(frames: torch.Tensor, colours: torch.Tensor, band: int =
     bands = colours[:, :, None, None].expand(-1, -1, band, frames.shape[-1])
     columns = max(1, math.ceil(math.sqrt(tiles)))
     return [
-        make_grid(torch.cat([bands, frames[:, v].expand(-1, 3, -1, -1)], dim=2), nrow=columns, pad_value=1.0)
+        make_grid(torch.cat([bands, frames[:, v].expand(-1, 3, -1, -1)], dim=2), nrow=columns, pad_value=0.5)
         for v in range(values)
     ]

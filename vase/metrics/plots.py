@@ -161,9 +161,9 @@ def traversal_figure(
     rows, step = len(row_labels), frame + 2
     inch = 0.5 / frame * step  # one frame ~0.5 inch
     bar_w, img_w = 0.22 * len(slot_labels), inch * len(values)
-    width, height = max(1.3 + bar_w + 0.1 + img_w + 0.1, 5.0), inch * rows + 0.9
+    width, height = max(1.3 + bar_w + 0.1 + img_w + 0.1, 5.0), inch * rows + 1.0
     fig = Figure(figsize=(width, height), dpi=DPI)
-    bottom, top = 0.45 / height, 1 - 0.45 / height
+    bottom, top = 0.45 / height, 1 - 0.55 / height
     ax_bar = fig.add_axes((1.3 / width, bottom, bar_w / width, top - bottom))
     ax_img = fig.add_axes(((1.4 + bar_w) / width, bottom, img_w / width, top - bottom))
     ax_bar.imshow(colours, aspect="auto", interpolation="nearest")
@@ -177,7 +177,7 @@ def traversal_figure(
     ax_img.set_xticklabels([f"{round(v, 1) + 0.0:+.1f}" for v in values], fontsize=7)
     ax_img.set_yticks([])
     ax_img.set_xlabel("latent value", fontsize=7)
-    fig.suptitle(title, fontsize=8)
+    fig.suptitle(title, fontsize=8, y=1 - 0.05 / height, va="top")
     return figure_to_rgb(fig, tight=False)  # fixed axes: the rows stay aligned with the bar
 
 
