@@ -184,6 +184,38 @@ def table(run_dirs, as_json):
     click.echo(json.dumps(rows, indent=2) if as_json else table1_text(rows))
 
 
+@main.command(name="inspect")
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.argument("pictures", nargs=-1)
+@click.option("--step", type=int, default=None, help="Checkpoint step to read (default: the newest kept).")
+@click.option("--used-only", is_flag=True, help="Traversals: only the latents each slot uses.")
+@click.option("--image", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Traversals: index of the held-out seed image of each environment.")
+@click.option("--source", default=None, help="Cross-domain: rows from this environment only (default: one per environment).")
+@click.option("--envs", default=None, metavar="A,B",
+              help="Ambiguity: the two environments to interpolate (default: the first two of the sequence).")
+@click.option("--data-root", type=click.Path(file_okay=False), default=None,
+              help="Data root, if the run's data has moved.")
+def inspect(run_dir, pictures, step, used_only, image, source, envs, data_root):
+    """Write the paper's pictures of a run as PNG (and GIF) files into RUN_DIR/inspect.
+
+    PICTURES: any of traversals, cross_domain, latent_use, atypicality, probes,
+    ambiguity (default: all). See docs/inspect.md.
+    """
+    from vase.inspection import InspectOptions, inspect_run
+
+    pair = tuple(e.strip() for e in envs.split(",")) if envs else None
+    try:
+        if pair is not None and len(pair) != 2:
+            raise VaseError(f"--envs takes two environments, A,B; got {envs!r}")
+        options = InspectOptions(step, used_only, image, source, pair, data_root)
+        paths = inspect_run(Path(run_dir), pictures, options, echo=click.echo)
+    except VaseError as e:
+        _fail(e)
+    for path in paths:
+        click.echo(str(path))
+
+
 @main.command()
 @click.option("--rows", default="all", show_default=True,
               help="Table 1 rows, comma-separated (-, S, D, A, SA, DA, SD, SDA, SD-[41]), or 'all'.")

@@ -165,8 +165,11 @@ def _one_line(error: Exception) -> str:
     return lines[0] if lines else type(error).__name__
 
 
-def load_checkpoint(run_dir: Path) -> tuple[dict, dict]:
+def load_checkpoint(run_dir: Path, step: int | None = None) -> tuple[dict, dict]:
     """Load the newest checkpoint that verifies; say so (a warning) when that is not latest.pt.
+
+    With `step`, load the verified checkpoint of that step instead (a run keeps two: latest and
+    previous), with no warning: the older one was asked for.
 
     A checkpoint whose checksum fails is skipped; one that verifies but was written by an
     incompatible version, or that the safe loader refuses, stops the resume with an error instead of
@@ -181,6 +184,14 @@ def load_checkpoint(run_dir: Path) -> tuple[dict, dict]:
             f"no usable checkpoint in {directory}: {_latest_problem(directory, metas)}, and no other "
             "checkpoint file verifies against its sha256"
         )
+    if step is not None:
+        kept = sorted({int(p[0].get("step", -1)) for p in pairs})
+        pairs = [p for p in pairs if int(p[0].get("step", -1)) == step]
+        if not pairs:
+            raise CheckpointError(
+                f"no checkpoint of step {step} in {directory}: a run keeps its two newest checkpoints, "
+                f"here of step {' and '.join(map(str, kept))}"
+            )
     meta, pt_slot, meta_slot = pairs[0]
     path = directory / f"{pt_slot}.pt"
     if meta.get("format") != CHECKPOINT_FORMAT or meta.get("config_version") != CONFIG_VERSION:
@@ -198,7 +209,7 @@ def load_checkpoint(run_dir: Path) -> tuple[dict, dict]:
             f"refusing to load {path}: it holds objects other than tensors and plain containers, which "
             f"could run code ({_one_line(e)}); it was not written by vase, so do not trust this run directory"
         ) from e
-    if (pt_slot, meta_slot) != ("latest", "latest"):
+    if step is None and (pt_slot, meta_slot) != ("latest", "latest"):
         if ("latest", "latest") in {(p, m) for _, p, m in pairs}:
             problem = f"a checkpoint save was interrupted after {path} was fully written"
         else:

@@ -28,7 +28,7 @@ from vase.masking import atypicality, information
 from vase.objective import kl_per_latent
 from vase.probing import ProbeSuite
 from vase.stream import Stream
-from vase.visualize import cross_domain_panel, mask_image, reconstruction_grid, traversal_grid
+from vase.visualize import mask_image, reconstruction_grid, traversal_grid
 
 PANEL = 8  # images per environment in the reconstruction and traversal panels
 
@@ -170,6 +170,13 @@ class Trainer:
             "probes": self.probes.state_dict() if self.probes else {},
         }
 
+    def load_state_dict(self, state: dict) -> None:
+        """The state of a checkpoint, with nothing on disk changed (`vase inspect` reads runs so)."""
+        self.learner.load_state_dict(state["learner"])
+        self.record = RunRecord(**state["record"])
+        if self.probes:
+            self.probes.load_state_dict(state["probes"])
+
     def resume(self) -> int:
         """Restore the newest good checkpoint and return its step (0 for a run killed before its first).
 
@@ -182,11 +189,8 @@ class Trainer:
             warnings.warn(f"{self.run_dir} was stopped before its first checkpoint; training it again from step 0")
             self._discard_after(0)
             return 0
-        state, meta = load_checkpoint(self.run_dir)  # on the CPU; each part moves to its device
-        self.learner.load_state_dict(state["learner"])
-        self.record = RunRecord(**state["record"])
-        if self.probes:
-            self.probes.load_state_dict(state["probes"])
+        state, _ = load_checkpoint(self.run_dir)  # on the CPU; each part moves to its device
+        self.load_state_dict(state)
         self.last_checkpoint = self.learner.step
         self._discard_after(self.learner.step)
         return self.learner.step
@@ -379,28 +383,10 @@ class Trainer:
         self._log_figures(step)
 
     def _log_figures(self, step: int) -> None:
-        from vase.metrics.plots import atypicality_figure, cross_domain_figure, latent_use_figure, probe_curves_figure
+        from vase.figures import run_figures
 
-        trained, rows, errors = self.slot_tables()
-        fig = latent_use_figure(rows, self.cfg.inference.used_kl)
-        self.writer.add_image("figures/latent_use", fig, step, dataformats="HWC")
-
-        seen = len(trained)
-        seeds = torch.stack([x[0] for x in self.held_out[:seen]])  # the traversals' seed images
-        panel = cross_domain_panel(self.learner, seeds, max(1, self.learner.inference.n_envs))
-        fig = cross_domain_figure(panel.numpy(), [env.name for env in self.envs[:seen]], errors, trained)
-        self.writer.add_image("figures/cross_domain", fig, step, dataformats="HWC")
-
-        ends = self.stream.ends
-        if self.record.alpha:
-            fig = atypicality_figure(
-                self.record.alpha_steps, torch.tensor(self.record.alpha).numpy(),
-                self.cfg.mask.lambda_low, self.cfg.mask.lambda_high, ends,
-            )
-            self.writer.add_image("figures/atypicality_profile", fig, step, dataformats="HWC")
-        if self.probes and self.probes.history:
-            fig = probe_curves_figure(self.probes.history, ends)
-            self.writer.add_image("figures/probe_curves", fig, step, dataformats="HWC")
+        for name, fig in run_figures(self).items():
+            self.writer.add_image(f"figures/{name}", fig, step, dataformats="HWC")
 
     # -- results ------------------------------------------------------------------------------------------
     def inferred_environments(self) -> list[dict]:

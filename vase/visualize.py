@@ -1,6 +1,8 @@
-"""Images for TensorBoard: reconstructions, latent traversals (Fig. 2 top), cross-domain
-reconstructions (Fig. 4B) and the mask table."""
+"""Images as tensors, for TensorBoard and `vase inspect`: reconstructions, latent traversals
+(Fig. 2 top, Fig. 3A) and their animation, cross-domain reconstructions (Fig. 4B), the mask table."""
 from __future__ import annotations
+
+import math
 
 import torch
 from torchvision.utils import make_grid
@@ -18,35 +20,49 @@ def reconstruction_grid(originals: torch.Tensor, reconstructions: torch.Tensor) 
     return make_grid(torch.cat([originals, reconstructions]).expand(-1, 3, -1, -1), nrow=n, pad_value=1.0)
 
 
-@torch.no_grad()
-def traversal_grid(learner, image: torch.Tensor, env: int, used_kl: float) -> torch.Tensor:
-    """Each row sweeps one latent over -2..2 from the seed image's mu, decoded under env.
+def latent_colours(learner, env: int, used_kl: float) -> torch.Tensor:
+    """(N, 3) colour per latent for slot env: masked by a^env, used (its running information,
+    `EnvironmentInference.usage`, above used_kl) or spare (Fig. 2 top's row colours). With S off
+    there is one slot and no usage record, so every unmasked latent counts as used."""
+    mask = learner.masks.mask(env).cpu()
+    n = mask.shape[0]
+    usage = learner.inference.usage[env] if learner.cfg.inference.enabled else torch.full((n,), used_kl + 1)
+    colours = torch.tensor([USED if u > used_kl else SPARE for u in usage.tolist()])
+    colours[mask == 0] = torch.tensor(MASKED)
+    return colours
 
-    Rows are sorted by the latent's KL on the seed (informative first, as disentangling-vae does),
-    and a coloured band on the left says whether env uses the latent (its running information,
-    `EnvironmentInference.usage`), masks it, or leaves it spare.
+
+@torch.no_grad()
+def traversal_frames(
+    learner, image: torch.Tensor, env: int, latents: torch.Tensor | None = None, values: torch.Tensor = TRAVERSAL_VALUES
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoded sweeps of `latents` (default: all, by the latent's KL on the seed image, informative
+    first, as disentangling-vae does) over `values`, from the seed image's mu under env with a^env.
+
+    Returns (frames (L, V, C, H, W) in [0, 1], latents): row i holds latents[i] swept, every other
+    latent kept at the seed's mean (masked ones at the prior mean 0, as eq. 2 decodes them).
     """
     post = learner.model.encoder(image[None])
-    mask = learner.masks.mask(env)
-    base = post.mu[0] * mask
-    n = base.shape[0]
-    values = TRAVERSAL_VALUES.to(base.device, base.dtype)
-    z = base.repeat(n * len(values), 1)
-    rows = torch.arange(n, device=z.device).repeat_interleave(len(values))
-    z[torch.arange(z.shape[0], device=z.device), rows] = values.repeat(n)
+    base = post.mu[0] * learner.masks.mask(env)
+    if latents is None:
+        latents = torch.argsort(kl_per_latent(post.mu, post.logvar)[0], descending=True)
+    values, latents = values.to(base.device, base.dtype), latents.to(base.device)
+    z = base.repeat(len(latents) * len(values), 1)
+    rows = latents.repeat_interleave(len(values))
+    z[torch.arange(z.shape[0], device=z.device), rows] = values.repeat(len(latents))
     envs = torch.full((z.shape[0],), env, dtype=torch.long, device=z.device)
-    frames = torch.sigmoid(learner.model.decoder(z, envs)).cpu()
-    frames = frames.expand(-1, 3, -1, -1).reshape(n, len(values), 3, *frames.shape[-2:])
-    usage = learner.inference.usage[env].cpu() if learner.cfg.inference.enabled else torch.full((n,), used_kl + 1)
-    mask = mask.cpu()
-    kl = kl_per_latent(post.mu, post.logvar)[0].cpu()
-    order = torch.argsort(kl, descending=True)
-    band = torch.empty(n, 1, 3, *frames.shape[-2:])
-    for i in range(n):
-        colour = MASKED if mask[i] == 0 else (USED if usage[i] > used_kl else SPARE)
-        band[i, 0] = torch.tensor(colour)[:, None, None]
-    frames = torch.cat([band, frames], dim=1)[order]
-    return make_grid(frames.reshape(-1, *frames.shape[2:]), nrow=len(values) + 1, pad_value=1.0)
+    frames = torch.sigmoid(learner.model.decoder(z, envs)).cpu()  # pictures are made on the host
+    return frames.reshape(len(latents), len(values), *frames.shape[1:]), latents.cpu()
+
+
+def traversal_grid(learner, image: torch.Tensor, env: int, used_kl: float) -> torch.Tensor:
+    """Each row sweeps one latent over -2..2 (`traversal_frames`), with a band on the left coloured
+    by `latent_colours`: env uses the latent, masks it, or leaves it spare. (3, H, W) in [0, 1]."""
+    frames, latents = traversal_frames(learner, image, env)
+    frames = frames.expand(-1, -1, 3, -1, -1)
+    band = latent_colours(learner, env, used_kl)[latents][:, None, :, None, None].expand(-1, 1, -1, *frames.shape[-2:])
+    frames = torch.cat([band, frames], dim=1)
+    return make_grid(frames.reshape(-1, *frames.shape[2:]), nrow=frames.shape[1], pad_value=1.0)
 
 
 @torch.no_grad()
@@ -66,3 +82,16 @@ def mask_image(masks: torch.Tensor, n_envs: int, scale: int = 12) -> torch.Tenso
     m = masks[: max(n_envs, 1)].float().cpu()
     img = m.repeat_interleave(scale, 0).repeat_interleave(scale, 1)
     return img[None].expand(3, -1, -1)
+
+
+def traversal_animation(frames: torch.Tensor, colours: torch.Tensor, band: int = 4) -> list[torch.Tensor]:
+    """One (3, H, W) picture per sweep position of `traversal_frames` (L, V, C, H, W): the L rows
+    tiled in a square, each tile topped by a band of its latent's `latent_colours`, so a GIF of
+    them shows every latent moving at once."""
+    tiles, values = frames.shape[0], frames.shape[1]
+    bands = colours[:, :, None, None].expand(-1, -1, band, frames.shape[-1])
+    columns = max(1, math.ceil(math.sqrt(tiles)))
+    return [
+        make_grid(torch.cat([bands, frames[:, v].expand(-1, 3, -1, -1)], dim=2), nrow=columns, pad_value=0.5)
+        for v in range(values)
+    ]

@@ -147,10 +147,107 @@ def cross_domain_figure(
     return figure_to_rgb(fig)
 
 
-def figure_to_rgb(fig: Figure) -> np.ndarray:
+def traversal_figure(
+    mosaic: np.ndarray, frame: int, values: Sequence[float], row_labels: Sequence[str], colours: np.ndarray,
+    slot_labels: Sequence[str], title: str,
+) -> np.ndarray:
+    """Latent traversals (Fig. 2 top, Fig. 3A) with the paper's row colours for every slot at once.
+
+    ``mosaic`` is (H, W, 3) in [0, 1]: `torchvision.utils.make_grid` of L rows by len(values)
+    frames of side ``frame`` with 2-pixel padding. ``colours`` is (L, S, 3): in the side bar, column
+    s says whether slot s uses the row's latent (green), masks it (red) or leaves it spare (grey),
+    so a latent shared between environments reads as a green band across their columns.
+    """
+    rows, step = len(row_labels), frame + 2
+    inch = 0.5 / frame * step  # one frame ~0.5 inch
+    bar_w, img_w = 0.22 * len(slot_labels), inch * len(values)
+    width, height = max(1.3 + bar_w + 0.1 + img_w + 0.1, 5.0), inch * rows + 1.0
+    fig = Figure(figsize=(width, height), dpi=DPI)
+    bottom, top = 0.45 / height, 1 - 0.55 / height
+    ax_bar = fig.add_axes((1.3 / width, bottom, bar_w / width, top - bottom))
+    ax_img = fig.add_axes(((1.4 + bar_w) / width, bottom, img_w / width, top - bottom))
+    ax_bar.imshow(colours, aspect="auto", interpolation="nearest")
+    ax_bar.set_xticks(range(len(slot_labels)))
+    ax_bar.set_xticklabels(slot_labels, fontsize=7)
+    ax_bar.set_yticks(range(rows))
+    ax_bar.set_yticklabels(row_labels, fontsize=7)
+    ax_bar.set_xlabel("slot", fontsize=7)
+    ax_img.imshow(mosaic, aspect="auto", interpolation="nearest")
+    ax_img.set_xticks([2 + step * i + frame / 2 for i in range(len(values))])
+    ax_img.set_xticklabels([f"{round(v, 1) + 0.0:+.1f}" for v in values], fontsize=7)
+    ax_img.set_yticks([])
+    ax_img.set_xlabel("latent value", fontsize=7)
+    fig.suptitle(title, fontsize=8, y=1 - 0.05 / height, va="top")
+    return figure_to_rgb(fig, tight=False)  # fixed axes: the rows stay aligned with the bar
+
+
+def ambiguity_figure(result, strip: np.ndarray) -> np.ndarray:
+    """Fig. 5A: ambiguous inputs and what VASE makes of them (`vase.ambiguity.AmbiguityResult`).
+
+    ``strip`` (H, W) in [0, 1] holds one interpolated pair and its reconstructions under both
+    slots. Then q(s=A|x) per ambiguous example against the weight of B; the batch-averaged q(s=A)
+    that decides the slot (spec §2) per context, with its switch points; and mu ± sigma of the
+    latents only one of the two slots uses (red: A's, blue: B's), the paper's uncertainty reading.
+    """
+    w = np.asarray(result.weights)
+    fig = Figure(figsize=(9.0, 8.5), dpi=DPI)
+    grid = fig.add_gridspec(3, 2, height_ratios=(1.1, 1.0, 1.0))
+    ax = fig.add_subplot(grid[0, :])
+    ax.imshow(strip, cmap="gray", vmin=0.0, vmax=1.0)
+    ax.set_xticks([(i + 0.5) * strip.shape[1] / len(w) for i in range(len(w))])
+    ax.set_xticklabels([f"{v:.1f}" for v in w], fontsize=7)
+    ax.set_yticks([(i + 0.5) * strip.shape[0] / 3 for i in range(3)])
+    ax.set_yticklabels(["input", f"slot {result.slot_a}", f"slot {result.slot_b}"], fontsize=7)
+    ax.set_title(f"(1 - w) {result.env_a} + w {result.env_b}", fontsize=8)
+
+    ax = fig.add_subplot(grid[1, 0])
+    mean, std = np.asarray(result.example_q_a), np.asarray(result.example_q_a_std)
+    ax.plot(w, mean, marker=".", color="black")
+    ax.fill_between(w, np.clip(mean - std, 0, 1), np.clip(mean + std, 0, 1), color="grey", alpha=0.3)
+    for level in (0.1, 0.9):
+        ax.axhline(level, color="grey", linestyle=":", linewidth=1.0)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel(f"weight w of {result.env_b}", fontsize=8)
+    ax.set_ylabel(f"q(s={result.env_a} | x) per example", fontsize=8)
+    ax.set_title(f"sharpness (0.9 -> 0.1): {_or_dash(result.sharpness)}", fontsize=8)
+
+    ax = fig.add_subplot(grid[1, 1])
+    image = ax.imshow(np.asarray(result.batch_q_a), cmap="RdBu", vmin=0.0, vmax=1.0, aspect="auto",
+                      extent=(w[0] - 0.05, w[-1] + 0.05, len(result.contexts) - 0.5, -0.5))
+    for c, switch in enumerate(result.switch):
+        if switch is not None:
+            ax.plot(switch, c, marker="|", color="black", markersize=12)
+    ax.set_yticks(range(len(result.contexts)))
+    ax.set_yticklabels([f"{100 * c:.0f}%" for c in result.contexts], fontsize=7)
+    ax.set_ylabel(f"real samples from {result.env_a}", fontsize=8)
+    ax.set_xlabel(f"weight w of {result.env_b}", fontsize=8)
+    ax.set_title(f"batch-averaged q(s={result.env_a}); | switch", fontsize=8)
+    fig.colorbar(image, ax=ax, fraction=0.05)
+
+    ax = fig.add_subplot(grid[2, :])
+    for latents, colour, env in ((result.latents_a, "red", result.env_a), (result.latents_b, "blue", result.env_b)):
+        for k, n in enumerate(latents):
+            mu, sigma = np.asarray(result.mu)[:, n], np.asarray(result.sigma)[:, n]
+            ax.plot(w, mu, color=colour, label=f"{env} only" if k == 0 else None)
+            ax.fill_between(w, mu - sigma, mu + sigma, color=colour, alpha=0.12)
+    ax.set_xlabel(f"weight w of {result.env_b}", fontsize=8)
+    ax.set_ylabel("mu ± sigma (mean over pairs)", fontsize=8)
+    if result.latents_a or result.latents_b:
+        ax.legend(fontsize="small")
+    else:
+        ax.set_title("no latent is used by one slot and not the other", fontsize=8)
+    return figure_to_rgb(fig)
+
+
+def _or_dash(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def figure_to_rgb(fig: Figure, tight: bool = True) -> np.ndarray:
     """Render a figure on an Agg canvas and return its pixels as (H, W, 3) uint8."""
     canvas = FigureCanvasAgg(fig)
-    fig.tight_layout()
+    if tight:
+        fig.tight_layout()
     canvas.draw()
     return np.asarray(canvas.buffer_rgba())[..., :3].copy()
 
