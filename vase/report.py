@@ -72,7 +72,7 @@ def summary_text(results: dict, run_dir: Path) -> str:
                 )
                 lines.append(f"  {'':<18} strongest latents per factor (|r| of the posterior sample): {strongest}")
         # A slot can meet its capacity target with means shifted alike for every image: KL without
-        # information (docs/calibration.md). With none informative, the representation of that
+        # information (docs/method.md). With none informative, the representation of that
         # environment has collapsed, whatever the loss curve says; say so where it is read.
         empty = [row["true_env"] for row in use if row.get("informative") == []]
         if empty:
@@ -261,6 +261,10 @@ def _groups(rows: list[dict]) -> list[tuple[str, str, list[dict]]]:
             for mode, sequence in keys]
 
 
+def _heading(mode: str, sequence: str) -> str:
+    return f"**{mode}, {sequence.replace(',', ' → ')}**"
+
+
 def _per_seed(values: list) -> str:
     return " / ".join("?" if v is None else str(v) for v in values)
 
@@ -284,7 +288,7 @@ def table1_markdown(rows: list[dict]) -> str:
     out = []
     for mode, sequence, group in _groups(rows):
         paper = sequence == PAPER_SEQUENCE
-        out.append(f"**{mode}, {sequence.replace(',', ' → ')}** ({_settings(group)})")
+        out.append(f"{_heading(mode, sequence)} ({_settings(group)})")
         out.append("")
         header = [c.strip() for c in table1_header().split(" | ")]
         header = ["row", "seeds"] + header[1:] + ["environments inferred (of true)", "latents used"]
@@ -324,7 +328,7 @@ def heldout_markdown(rows: list[dict]) -> str:
                 lines.append(_md_row([row["ablation"], env["env"], cell(env["after_stage"], ".1f", single),
                                       cell(env["end_own_slot"], ".1f", single), cell(env["ratio"], ".2f", single)]))
         if len(lines) > 2:
-            out += [f"**{mode}, {sequence.replace(',', ' → ')}**", ""] + lines + [""]
+            out += [_heading(mode, sequence), ""] + lines + [""]
     return "\n".join(out).rstrip() + "\n" if out else ""
 
 
