@@ -107,3 +107,11 @@ def test_committed_runs_are_small_and_have_no_checkpoints():
         if path.is_file():
             assert path.name == "results.json", path
             assert path.stat().st_size < 200_000, path
+
+
+def test_the_readme_block_shows_the_papers_sequence_when_there_are_runs_of_it(tmp_path):
+    rows = table1_rows([_results("SDA", 0), _results("SDA", 0, sequence=["shapes_a", "shapes_b", "moving_shapes_b"])])
+    block = readme_block(rows, [tmp_path / "a"], tmp_path / "README.md")
+    assert "moving_fashion → mnist → moving_mnist" in block and "shapes_b" not in block
+    sprites_only = readme_block(rows[1:], [tmp_path / "a"], tmp_path / "README.md")
+    assert "shapes_a → shapes_b → moving_shapes_b" in sprites_only

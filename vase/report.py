@@ -382,12 +382,16 @@ def results_page(rows: list[dict], run_dirs: list[Path], page: Path) -> str:
 
 
 def readme_block(rows: list[dict], run_dirs: list[Path], readme: Path) -> str:
-    """The README's results block: Table 1 only, with the command that makes it."""
+    """The README's results block: one Table 1, the paper's sequence where there are runs of it
+    (every sequence otherwise), with the command that makes it. docs/results.md has the rest."""
+    from vase.grid import PAPER_SEQUENCE
+
+    paper = [row for row in rows if row["sequence"] == PAPER_SEQUENCE]
     return "\n".join([
         f"Made by `{REGENERATE}` from {_sources(run_dirs, readme.parent)}; "
-        "[docs/results.md](docs/results.md) has the held-out errors too.",
+        "[docs/results.md](docs/results.md) has every study and the held-out errors.",
         "",
-        table1_markdown(rows).rstrip(),
+        table1_markdown(paper or rows).rstrip(),
     ])
 
 
@@ -400,4 +404,4 @@ def replace_block(text: str, block: str) -> str:
         raise VaseError(f"the file needs one {RESULTS_BEGIN} line followed by one {RESULTS_END} line")
     head, rest = text.split(RESULTS_BEGIN, 1)
     tail = rest.split(RESULTS_END, 1)[1]
-    return f"{head}{RESULTS_BEGIN}\n{block.rstrip()}\n{RESULTS_END}{tail}"
+    return f"{head}{RESULTS_BEGIN}\n\n{block.strip()}\n\n{RESULTS_END}{tail}"
