@@ -169,19 +169,48 @@ def evaluate(run_dir, as_json, device):
 @main.command(name="table")
 @click.argument("run_dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON instead of a table.")
-def table(run_dirs, as_json):
+@click.option("--markdown", is_flag=True, help="Print markdown tables: Table 1 beside the paper's, and the "
+              "held-out errors of each environment under its own slot.")
+@click.option("--output", type=click.Path(dir_okay=False), default=None,
+              help="Write the markdown results page (docs/results.md) to this file.")
+@click.option("--readme", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Rewrite this file's results block, between <!-- results:begin --> and <!-- results:end -->.")
+def table(run_dirs, as_json, markdown, output, readme):
     """Table 1 from finished runs: one row per ablation and mode, mean (±std) over their seeds.
 
     Give the run directories of a grid, e.g. `vase table runs/*`. Runs of different sequences
-    form separate rows.
+    form separate rows. docs/results.md and the README's results table are made with
+    `vase table docs/results/*/* --markdown --output docs/results.md --readme README.md`.
     """
-    from vase.report import load_results, table1_rows, table1_text
+    from vase.report import (
+        heldout_markdown,
+        load_results,
+        readme_block,
+        replace_block,
+        results_page,
+        table1_markdown,
+        table1_rows,
+        table1_text,
+    )
 
+    dirs = sorted(Path(d) for d in run_dirs)
     try:
-        rows = table1_rows(load_results([Path(d) for d in run_dirs]))
+        rows = table1_rows(load_results(dirs))
+        if output:
+            Path(output).write_text(results_page(rows, dirs, Path(output)))
+            click.echo(f"wrote {output}")
+        if readme:
+            text = Path(readme).read_text()
+            Path(readme).write_text(replace_block(text, readme_block(rows, dirs, Path(readme))))
+            click.echo(f"rewrote the results block of {readme}")
     except VaseError as e:
         _fail(e)
-    click.echo(json.dumps(rows, indent=2) if as_json else table1_text(rows))
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+    elif markdown and not (output or readme):
+        click.echo(table1_markdown(rows) + "\n" + heldout_markdown(rows))
+    elif not (output or readme):
+        click.echo(table1_text(rows))
 
 
 @main.command(name="inspect")

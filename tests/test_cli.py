@@ -206,20 +206,6 @@ def test_train_on_the_digit_sequence(digit_root, tmp_path):
     assert "Table 1 row:" in result.stdout
 
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-
-
-@pytest.mark.parametrize("command", [[], ["train"], ["grid"], ["eval"], ["table"], ["data"], ["bench"]])
-def test_readme_shows_the_current_help(command):
-    """The README's `vase ... --help` blocks are the CLI's own output (80 columns), kept true to the code."""
-    shown = CliRunner().invoke(main, command + ["--help"], prog_name="vase", terminal_width=80).output
-    text = README.read_text()
-    header = "$ vase " + " ".join(command + ["--help"]) + "\n"
-    assert header in text, f"README has no block for `vase {' '.join(command)} --help`"
-    block = text.split(header, 1)[1].split("```", 1)[0]
-    assert block == shown
-
-
 def _fake_run(folder: Path, seed: int, ablation: str, table1: dict, used: list[list[int]]) -> Path:
     folder.mkdir()
     results = {"mode": "disentangled", "ablation": ablation, "sequence": ["moving_fashion", "mnist"], "seed": seed,

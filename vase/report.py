@@ -1,7 +1,10 @@
-"""Human-readable summaries of a run's results (what `vase train` and `vase eval` print)."""
+"""Human-readable summaries of runs' results: what `vase train` and `vase eval` print for one run, and
+the Table 1 that `vase table` gathers from several, as text or as the markdown of docs/results.md."""
 from __future__ import annotations
 
 import json
+import math
+import os
 from pathlib import Path
 
 
@@ -42,7 +45,8 @@ def summary_text(results: dict, run_dir: Path) -> str:
         n = len(use[0]["kl_per_latent"])
         used = latent_union(use, "used_in_training")
         heading = "latent use (information above inference.used_kl):"
-        lines.append(heading if used is None else f"{heading} {len(used)}/{n} latents used by some slot while it trained")
+        lines.append(heading if used is None
+                     else f"{heading} {len(used)}/{n} latents used by some slot while it trained")
         readings = used_at_thresholds(use)
         if readings is not None:
             lines.append("  the same count at other thresholds (usage above "
@@ -68,7 +72,7 @@ def summary_text(results: dict, run_dir: Path) -> str:
                 )
                 lines.append(f"  {'':<18} strongest latents per factor (|r| of the posterior sample): {strongest}")
         # A slot can meet its capacity target with means shifted alike for every image: KL without
-        # information (docs/calibration.md). With none informative, the representation of that
+        # information (docs/method.md). With none informative, the representation of that
         # environment has collapsed, whatever the loss curve says; say so where it is read.
         empty = [row["true_env"] for row in use if row.get("informative") == []]
         if empty:
@@ -129,10 +133,48 @@ def table1_rows(results: list[dict]) -> list[dict]:
             "mode": mode, "ablation": ablation, "sequence": sequence,
             "seeds": [r["seed"] for r in runs], "mean": mean, "std": std,
             "environments_inferred": [r["environments_inferred"] for r in runs],
+            "environments_true": [r.get("environments_true") for r in runs],
             "latents_used": [_count(latent_union(r.get("latent_use") or [], "used_in_training")) for r in runs],
             "latents_informative": [_count(latent_union(r.get("latent_use") or [], "informative")) for r in runs],
+            "preset": [r.get("preset") for r in runs],
+            "steps_per_env": [r.get("steps_per_env") for r in runs],
+            "heldout": _heldout_over_seeds([heldout_retention(r) for r in runs]),
         })
     return rows
+
+
+def heldout_retention(result: dict) -> list[dict]:
+    """Each environment of the sequence but the last: its held-out reconstruction error (nats per
+    image) just after its own stage, at the end under the slot it trained in, and their ratio.
+
+    The ratio is how much of what that slot learnt it kept: the decoder's side of forgetting, which
+    the probes (encoder only) do not see. After its stage the error is read under the classifier's
+    pick, which is then that slot. The last environment is left out, as Table 1's CHANGE leaves it
+    out: its two readings are taken at the same step. [] for results.json without the matrices."""
+    matrix = result.get("heldout_reconstruction_matrix") or []
+    cross = result.get("cross_domain_errors") or []
+    rows = []
+    for i, env in enumerate((result.get("inferred_vs_true") or [])[:-1]):
+        if i >= len(matrix) or i >= len(cross):
+            break
+        after, end = matrix[i][i], cross[i][env["inferred_env"]]
+        rows.append({"env": env["true_env"], "after_stage": after, "end_own_slot": end,
+                     "ratio": end / after if after > 0 else math.nan})
+    return rows
+
+
+def _heldout_over_seeds(per_run: list[list[dict]]) -> list[dict]:
+    """heldout_retention of several seeds of one sequence: mean and std of each number per stage."""
+    from vase.metrics.continual import nanmean, nanstd
+
+    out = []
+    for stage in zip(*per_run):
+        row = {"env": stage[0]["env"]}
+        for key in ("after_stage", "end_own_slot", "ratio"):
+            values = [r[key] for r in stage]
+            row[key] = {"mean": nanmean(values), "std": nanstd(values)}
+        out.append(row)
+    return out
 
 
 def latent_union(use: list[dict], field: str) -> list[int] | None:
@@ -181,3 +223,185 @@ def table1_text(rows: list[dict]) -> str:
                 lines.append(f"  note: {row['ablation']} has repeated seeds; are two runs the same experiment?")
     lines.append("mean (±std) over seeds; per-seed values are separated by '/'")
     return "\n".join(lines)
+
+
+# The paper's Table 1 CHANGE columns (moving Fashion -> MNIST -> moving MNIST, mean over its seeds):
+# object-ID accuracy (%) and position MSE (1e-4) per (mode, row). It reports no disentangled SD-[41].
+PAPER_CHANGES = {
+    ("disentangled", "-"): (-15.2, 24.8), ("disentangled", "S"): (-13.9, 22.5),
+    ("disentangled", "D"): (-14.4, 21.4), ("disentangled", "A"): (-24.5, 67.6),
+    ("disentangled", "SA"): (-28.1, 78.9), ("disentangled", "DA"): (-25.2, 72.2),
+    ("disentangled", "SD"): (-12.9, 20.0), ("disentangled", "SDA"): (-5.4, 3.0),
+    ("entangled", "-"): (-12.1, 10.5), ("entangled", "S"): (-12.2, 10.9),
+    ("entangled", "D"): (-12.4, 11.7), ("entangled", "A"): (-19.7, 47.1),
+    ("entangled", "SA"): (-18.3, 41.8), ("entangled", "DA"): (-19.4, 40.2),
+    ("entangled", "SD"): (-11.7, 11.6), ("entangled", "SD-[41]"): (-11.6, 10.2),
+    ("entangled", "SDA"): (-6.5, 3.9),
+}
+
+# The markers between which `vase table --readme` rewrites a file's results block.
+RESULTS_BEGIN = "<!-- results:begin -->"
+RESULTS_END = "<!-- results:end -->"
+# How docs/results.md and the README's block are made; both say so, and a test holds them to it.
+REGENERATE = "vase table docs/results/*/* --markdown --output docs/results.md --readme README.md"
+
+
+def _md_row(cells: list) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def _groups(rows: list[dict]) -> list[tuple[str, str, list[dict]]]:
+    """(mode, sequence, its rows in the paper's row order) for each objective and sequence."""
+    from vase.grid import TABLE1_ROWS
+
+    order = {name: i for i, name in enumerate(TABLE1_ROWS)}
+    keys = sorted({(row["mode"], row["sequence"]) for row in rows})
+    return [(mode, sequence, sorted((r for r in rows if (r["mode"], r["sequence"]) == (mode, sequence)),
+                                    key=lambda r: order.get(r["ablation"], len(order))))
+            for mode, sequence in keys]
+
+
+def _heading(mode: str, sequence: str) -> str:
+    return f"**{mode}, {sequence.replace(',', ' → ')}**"
+
+
+def _per_seed(values: list) -> str:
+    return " / ".join("?" if v is None else str(v) for v in values)
+
+
+def _settings(group: list[dict]) -> str:
+    presets = sorted({p for row in group for p in row["preset"] if p})
+    steps = sorted({str(s[0]) if len(set(s)) == 1 else ",".join(map(str, s))
+                    for row in group for s in row["steps_per_env"] if s})
+    parts = ([f"preset {', '.join(presets)}"] if presets else []) + (
+        [f"steps per environment {'; '.join(steps)}"] if steps else [])
+    return ", ".join(parts)
+
+
+def table1_markdown(rows: list[dict]) -> str:
+    """Table 1 as markdown, one table per objective and sequence: the four numbers as mean (±std)
+    over seeds, environments inferred and latents used per seed, and the paper's CHANGE columns
+    beside them on the paper's sequence."""
+    from vase.grid import PAPER_SEQUENCE
+    from vase.metrics.continual import format_table1_row, table1_header
+
+    out = []
+    for mode, sequence, group in _groups(rows):
+        paper = sequence == PAPER_SEQUENCE
+        out.append(f"{_heading(mode, sequence)} ({_settings(group)})")
+        out.append("")
+        header = [c.strip() for c in table1_header().split(" | ")]
+        header = ["row", "seeds"] + header[1:] + ["environments inferred (of true)", "latents used"]
+        out.append(_md_row(header + (["paper: ID CHANGE (%) / POS CHANGE (1e-4)"] if paper else [])))
+        out.append(_md_row(["---"] * (len(header) + paper)))
+        for row in group:
+            single = len(row["seeds"]) == 1
+            cells = [c.strip() for c in format_table1_row(row["mean"], row["ablation"],
+                                                          None if single else row["std"]).split(" | ")]
+            true = {t for t in row["environments_true"] if t is not None}
+            inferred = _per_seed(row["environments_inferred"]) + (f" of {true.pop()}" if len(true) == 1 else "")
+            line = [cells[0], ", ".join(map(str, row["seeds"]))] + cells[1:] + [inferred,
+                                                                                _per_seed(row["latents_used"])]
+            if paper:
+                change = PAPER_CHANGES.get((mode, row["ablation"]))
+                line.append("n/a" if change is None else f"{change[0]:+.1f} / {change[1]:+.1f}")
+            out.append(_md_row(line))
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def heldout_markdown(rows: list[dict]) -> str:
+    """Per objective and sequence, each environment's held-out error after its stage and at the end
+    under its own slot (heldout_retention), mean (±std) over seeds."""
+    def cell(stat: dict, spec: str, single: bool) -> str:
+        if math.isnan(stat["mean"]):
+            return "n/a"
+        return f"{stat['mean']:{spec}}" + ("" if single else f" (±{stat['std']:{spec}})")
+
+    out = []
+    for mode, sequence, group in _groups(rows):
+        lines = [_md_row(["row", "environment", "after its stage (nats)", "at the end, own slot (nats)",
+                          "end ÷ after"]), _md_row(["---"] * 5)]
+        for row in group:
+            single = len(row["seeds"]) == 1
+            for env in row["heldout"]:
+                lines.append(_md_row([row["ablation"], env["env"], cell(env["after_stage"], ".1f", single),
+                                      cell(env["end_own_slot"], ".1f", single), cell(env["ratio"], ".2f", single)]))
+        if len(lines) > 2:
+            out += [_heading(mode, sequence), ""] + lines + [""]
+    return "\n".join(out).rstrip() + "\n" if out else ""
+
+
+def _sources(run_dirs: list[Path], base: Path) -> str:
+    """The folders the runs came from, as links relative to the page that lists them."""
+    counts: dict[Path, int] = {}
+    for run_dir in run_dirs:
+        folder = Path(run_dir).resolve().parent
+        counts[folder] = counts.get(folder, 0) + 1
+    links = [f"[{rel}]({rel}/) ({n} run{'s' if n > 1 else ''})"
+             for folder, n in sorted(counts.items())
+             for rel in [Path(os.path.relpath(folder, base.resolve())).as_posix()]]
+    return ", ".join(links)
+
+
+def results_page(rows: list[dict], run_dirs: list[Path], page: Path) -> str:
+    """docs/results.md: Table 1 and the held-out errors of the given runs, with where they came from."""
+    parts = [
+        "# Results",
+        "",
+        f"<!-- Generated by `{REGENERATE}` from the runs' results.json; edit those or vase/report.py, "
+        "not this page. -->",
+        "",
+        f"Runs: {_sources(run_dirs, page.parent)}. To show other runs, put their `results.json` under "
+        f"`docs/results/<study>/<run>/` and run `{REGENERATE}`.",
+        "",
+        "## Table 1",
+        "",
+        "Mean (±std) over the seeds listed, in the paper's units: object-ID accuracy in %, position MSE "
+        "in 1e-4 (the protocol and the sign of CHANGE are in [probes.md](probes.md)). A negative ID "
+        "CHANGE and a positive POS CHANGE mean forgetting. Latents used: latents some slot used while "
+        "it trained (information above `inference.used_kl`), per seed.",
+        "",
+        table1_markdown(rows).rstrip(),
+        "",
+    ]
+    heldout = heldout_markdown(rows)
+    if heldout:
+        parts += [
+            "## Held-out reconstruction under each environment's own slot",
+            "",
+            "What the decoder kept, which the probes (read from the encoder) do not show: each "
+            "environment's held-out error in nats per image just after its own stage and at the end of "
+            "the sequence under the slot it trained in, and their ratio (1 = nothing forgotten). The "
+            "last environment of a sequence is left out, as in Table 1's CHANGE.",
+            "",
+            heldout.rstrip(),
+            "",
+        ]
+    return "\n".join(parts)
+
+
+def readme_block(rows: list[dict], run_dirs: list[Path], readme: Path) -> str:
+    """The README's results block: one Table 1, the paper's sequence where there are runs of it
+    (every sequence otherwise), with the command that makes it. docs/results.md has the rest."""
+    from vase.grid import PAPER_SEQUENCE
+
+    paper = [row for row in rows if row["sequence"] == PAPER_SEQUENCE]
+    return "\n".join([
+        f"Made by `{REGENERATE}` from {_sources(run_dirs, readme.parent)}; "
+        "[docs/results.md](docs/results.md) has every study and the held-out errors.",
+        "",
+        table1_markdown(paper or rows).rstrip(),
+    ])
+
+
+def replace_block(text: str, block: str) -> str:
+    """`text` with what lies between RESULTS_BEGIN and RESULTS_END replaced by `block`."""
+    from vase.errors import VaseError
+
+    if text.count(RESULTS_BEGIN) != 1 or text.count(RESULTS_END) != 1 or (
+            text.index(RESULTS_BEGIN) > text.index(RESULTS_END)):
+        raise VaseError(f"the file needs one {RESULTS_BEGIN} line followed by one {RESULTS_END} line")
+    head, rest = text.split(RESULTS_BEGIN, 1)
+    tail = rest.split(RESULTS_END, 1)[1]
+    return f"{head}{RESULTS_BEGIN}\n\n{block.strip()}\n\n{RESULTS_END}{tail}"

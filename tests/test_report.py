@@ -1,0 +1,117 @@
+"""The markdown results of `vase table`, and docs/results.md and the README kept equal to them."""
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from cli import main
+from vase.errors import VaseError
+from vase.report import (
+    RESULTS_BEGIN,
+    RESULTS_END,
+    heldout_retention,
+    load_results,
+    readme_block,
+    replace_block,
+    results_page,
+    table1_markdown,
+    table1_rows,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+PAPER = ["moving_fashion", "mnist", "moving_mnist"]
+
+
+def _results(ablation: str, seed: int, sequence=PAPER, id_change=-0.02) -> dict:
+    """A results.json with what the markdown reads: slot 0 for the first environment, slot 1 after."""
+    return {
+        "mode": "disentangled", "ablation": ablation, "sequence": list(sequence), "seed": seed,
+        "preset": "cpu", "steps_per_env": [200] * len(sequence),
+        "environments_inferred": 2, "environments_true": len(set(sequence)),
+        "inferred_vs_true": [{"true_env": name, "inferred_env": min(i, 1)} for i, name in enumerate(sequence)],
+        # [j][i]: environment i after stage j, under the classifier's pick.
+        "heldout_reconstruction_matrix": [[100.0, 900.0, 800.0], [150.0, 200.0, 700.0], [160.0, 210.0, 300.0]],
+        # [i][s]: environment i under slot s at the end.
+        "cross_domain_errors": [[300.0, 500.0], [400.0, 250.0], [600.0, 280.0]],
+        "probes": {"table1": {"object_id_max": 0.4, "object_id_change": id_change,
+                              "position_min": 0.004, "position_change": -0.001}},
+        "latent_use": [{"used_in_training": [0, 1], "informative": [0]}],
+    }
+
+
+def test_heldout_retention_reads_each_environment_under_its_own_slot():
+    """After its stage: the matrix's diagonal; at the end: the cross-domain error under the slot it
+    trained in; the last environment is left out, as Table 1's CHANGE leaves it out."""
+    rows = heldout_retention(_results("SDA", 0))
+    assert [(r["env"], r["after_stage"], r["end_own_slot"]) for r in rows] == [
+        ("moving_fashion", 100.0, 300.0), ("mnist", 200.0, 250.0)]
+    assert rows[0]["ratio"] == 3.0 and rows[1]["ratio"] == 1.25
+    assert heldout_retention({"inferred_vs_true": []}) == []  # a results.json from before the matrices
+
+
+def test_markdown_puts_the_papers_changes_beside_the_paper_sequence_only():
+    rows = table1_rows([_results("-", 0), _results("SDA", 0, id_change=-0.01), _results("SDA", 1, id_change=-0.03),
+                        _results("SDA", 0, sequence=["shapes_a", "shapes_b", "moving_shapes_b"])])
+    text = table1_markdown(rows)
+    lines = text.splitlines()
+    sda = next(line for line in lines if line.startswith("| SDA | 0, 1 |"))
+    assert "-2.0 (±1.0)" in sda and sda.endswith("| 2 / 2 of 3 | 2 / 2 | -5.4 / +3.0 |")
+    # The paper's row order: "-" before SDA.
+    assert lines.index(next(line for line in lines if line.startswith("| - |"))) < lines.index(sda)
+    sprites = text.split("shapes_a → shapes_b → moving_shapes_b")[1]
+    assert "paper" not in sprites and "| SDA | 0 |" in sprites
+
+
+def test_results_page_links_the_runs_and_the_readme_block_is_replaced(tmp_path):
+    runs = []
+    for seed in (0, 1):
+        run = tmp_path / "docs" / "results" / "study" / f"s{seed}"
+        run.mkdir(parents=True)
+        (run / "results.json").write_text(json.dumps(_results("SDA", seed)))
+        runs.append(run)
+    rows = table1_rows(load_results(runs))
+    page = results_page(rows, runs, tmp_path / "docs" / "results.md")
+    assert "[results/study](results/study/) (2 runs)" in page
+    assert "| SDA | moving_fashion | 100.0 (±0.0) | 300.0 (±0.0) | 3.00 (±0.00) |" in page
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n{RESULTS_BEGIN}\nold\n{RESULTS_END}\nafter\n")
+    result = CliRunner().invoke(main, ["table", *map(str, runs), "--markdown", "--readme", str(readme)])
+    assert result.exit_code == 0, result.output
+    text = readme.read_text()
+    assert "old" not in text and text.endswith(f"{RESULTS_END}\nafter\n")
+    assert "[docs/results/study](docs/results/study/) (2 runs)" in text and "| SDA | 0, 1 |" in text
+
+
+def test_replace_block_refuses_a_file_without_the_markers():
+    with pytest.raises(VaseError, match="results:begin"):
+        replace_block("no markers here", "table")
+    with pytest.raises(VaseError):
+        replace_block(f"{RESULTS_END}\n{RESULTS_BEGIN}\n", "table")
+
+
+def test_docs_results_and_the_readme_block_are_what_the_committed_runs_give():
+    """docs/results.md and the README's results block are generated: regenerate them with
+    `vase table docs/results/*/* --markdown --output docs/results.md --readme README.md`."""
+    runs = sorted(path for path in (ROOT / "docs" / "results").glob("*/*") if path.is_dir())
+    assert runs, "no committed runs under docs/results/<study>/<run>/"
+    rows = table1_rows(load_results(runs))
+    assert (ROOT / "docs" / "results.md").read_text() == results_page(rows, runs, ROOT / "docs" / "results.md")
+    readme = (ROOT / "README.md").read_text()
+    assert readme == replace_block(readme, readme_block(rows, runs, ROOT / "README.md"))
+
+
+def test_committed_runs_are_small_and_have_no_checkpoints():
+    """docs/results holds results.json files only, so a study's folder can be swapped whole."""
+    for path in (ROOT / "docs" / "results").rglob("*"):
+        if path.is_file():
+            assert path.name == "results.json", path
+            assert path.stat().st_size < 200_000, path
+
+
+def test_the_readme_block_shows_the_papers_sequence_when_there_are_runs_of_it(tmp_path):
+    rows = table1_rows([_results("SDA", 0), _results("SDA", 0, sequence=["shapes_a", "shapes_b", "moving_shapes_b"])])
+    block = readme_block(rows, [tmp_path / "a"], tmp_path / "README.md")
+    assert "moving_fashion → mnist → moving_mnist" in block and "shapes_b" not in block
+    sprites_only = readme_block(rows[1:], [tmp_path / "a"], tmp_path / "README.md")
+    assert "shapes_a → shapes_b → moving_shapes_b" in sprites_only
