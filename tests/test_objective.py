@@ -183,3 +183,34 @@ def test_runs_from_before_the_fresh_latent_penalty_resume_without_it(tmp_path):
     del d["objective"]["fresh_aggregate_weight"]
     (tmp_path / "config.json").write_text(json.dumps(d))
     assert load_run_config(tmp_path).objective.fresh_aggregate_weight == 0.0  # as they were trained
+
+
+@pytest.mark.parametrize("form", ["squared", "absolute"])
+def test_the_capacity_term_value_and_gradient_by_hand(form):
+    """KL per example 30 and 26 (mean 28), C = 25, gamma = 100: squared 100 * 3^2 = 900 with
+    d/dKL_i = 100 * 2 * 3 / 2 = 300 per example; absolute 100 * 3 = 300 with 100 / 2 = 50."""
+    cfg = ObjectiveConfig(gamma=100.0, capacity_form=form)
+    kl = torch.tensor([30.0, 26.0], requires_grad=True)
+    recon = torch.tensor([10.0, 20.0])
+    loss = mdl_loss(recon, kl, 25.0, cfg)
+    loss.backward()
+    value, grad = (900.0, 300.0) if form == "squared" else (300.0, 50.0)
+    assert float(loss.detach()) == pytest.approx(15.0 + value)
+    assert kl.grad.tolist() == pytest.approx([grad, grad])
+
+
+def test_the_squared_capacity_term_pulls_kl_towards_c_from_both_sides_in_proportion():
+    cfg = ObjectiveConfig(gamma=10.0, capacity_form="squared")
+    grads = []
+    for value in (20.0, 24.0, 25.0, 27.0):
+        kl = torch.tensor([value], requires_grad=True)
+        mdl_loss(torch.zeros(1), kl, 25.0, cfg).backward()
+        grads.append(float(kl.grad))
+    assert grads == pytest.approx([-100.0, -20.0, 0.0, 40.0])
+
+
+def test_an_unknown_capacity_form_is_refused():
+    from vase.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="objective.capacity_form must be 'squared' or 'absolute'"):
+        build_config("cpu", ["objective.capacity_form=cubic"])

@@ -117,17 +117,25 @@ def load_results(run_dirs: list[Path]) -> list[dict]:
     return out
 
 
+def row_label(result: dict) -> str:
+    """A Table 1 row's name: the ablation, and the rule set where inference runs with another than
+    the default (`inference.rules`, docs/method.md)."""
+    rules = result.get("rules", "vase")
+    return result["ablation"] + (f" ({rules} rules)" if "S" in result["ablation"] and rules != "vase" else "")
+
+
 def table1_rows(results: list[dict]) -> list[dict]:
-    """Table 1 from several runs: one row per (mode, ablation, sequence), the four numbers as mean
-    and std over that group's seeds (spec §8), and the latent-use counts per seed."""
+    """Table 1 from several runs: one row per (mode, ablation and rule set, sequence, preset, steps),
+    the four numbers as mean and std over that group's seeds (spec §8), and the latent-use counts per
+    seed. Runs of another length or network are another experiment, so they never share a row."""
     from vase.metrics.continual import mean_std_over_seeds
 
     groups: dict[tuple, list[dict]] = {}
     for r in results:
-        key = (r["mode"], r["ablation"], ",".join(r["sequence"]))
+        key = (r["mode"], row_label(r), ",".join(r["sequence"]), r.get("preset"), str(r.get("steps_per_env")))
         groups.setdefault(key, []).append(r)
     rows = []
-    for (mode, ablation, sequence), runs in groups.items():
+    for (mode, ablation, sequence, _, _), runs in groups.items():
         mean, std = mean_std_over_seeds([r["probes"]["table1"] for r in runs])
         rows.append({
             "mode": mode, "ablation": ablation, "sequence": sequence,
@@ -255,10 +263,13 @@ def _groups(rows: list[dict]) -> list[tuple[str, str, list[dict]]]:
     from vase.grid import TABLE1_ROWS
 
     order = {name: i for i, name in enumerate(TABLE1_ROWS)}
-    keys = sorted({(row["mode"], row["sequence"]) for row in rows})
-    return [(mode, sequence, sorted((r for r in rows if (r["mode"], r["sequence"]) == (mode, sequence)),
-                                    key=lambda r: order.get(r["ablation"], len(order))))
-            for mode, sequence in keys]
+    def key(row):  # one table per objective, sequence and length: other lengths are other experiments
+        return row["mode"], row["sequence"], str(row["steps_per_env"][0])
+
+    keys = sorted({key(row) for row in rows})
+    return [(k[0], k[1], sorted((r for r in rows if key(r) == k),
+                                key=lambda r: order.get(r["ablation"].split(" ")[0], len(order))))
+            for k in keys]
 
 
 def _heading(mode: str, sequence: str) -> str:

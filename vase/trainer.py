@@ -423,6 +423,7 @@ class Trainer:
         _, use, cross = self.slot_tables()
         out = {
             "ablation": self.cfg.ablation(),
+            "rules": self.cfg.inference.rules,
             "mode": self.cfg.objective.mode,
             "preset": self.cfg.preset,
             "sequence": self.cfg.data.env_names(),
