@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from vase.config import build_config, load_run_config, option_overrides, preset_names
+from vase.config import build_config, load_run_config, option_overrides, preset_names, schedule_names
 from vase.errors import VaseError
 
 DEFAULT_SEQUENCE_HELP = "moving_shapes_a,shapes_b,moving_shapes_b (embedded sprites, no download)"
@@ -41,6 +41,12 @@ def _resolve_device(name: str):
         return resolve_device(name)
     except VaseError as e:
         _fail(e)
+
+
+def _schedule_option():
+    return click.option("--schedule", type=click.Choice(schedule_names()), default="short", show_default=True,
+                        help="Run lengths set together: steps per environment, capacity ramp, tau, probe interval "
+                             "and new-slot settings ('long': the paper's regime, docs/method.md).")
 
 
 def _check_sequence(ctx, param, value):
@@ -75,7 +81,11 @@ def main(ctx):
               help="Network size: 'paper' (64-64-128-128 convs) or 'cpu' (32 channels everywhere).")
 @click.option("--sequence", callback=_check_sequence, default=None,
               help=f"Comma-separated environments in training order. Default: {DEFAULT_SEQUENCE_HELP}.")
-@click.option("--steps", default=None, help="Steps per environment: one number, or one per environment (comma list). Default: 1200.")
+@click.option(
+    "--steps",
+    default=None,
+    help="Steps per environment: one number, or one per environment (comma list). Default: 1200.",
+)
 @click.option("--ablation", default=None,
               help="Table 1 row: S, D, A, SA, DA, SD, SDA (full VASE, default), SD-[41], or '-' (write --ablation=-).")
 @click.option("--entangled", is_flag=True, help="Plain VAE objective (beta = 1) instead of the capacity objective.")
@@ -93,8 +103,9 @@ def main(ctx):
               help="Override any config field, e.g. --set mask.lambda_high=2.0 (repeatable).")
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
 @_device_option()
+@_schedule_option()
 def train(preset, sequence, steps, ablation, entangled, seed, data_root, download, run_dir, resume_dir,
-          overwrite, overrides, no_progress, device):
+          overwrite, overrides, no_progress, device, schedule):
     """Train VASE over a sequence of environments.
 
     With no options: the full VASE (SDA) on the embedded sprite sequence with the CPU preset.
@@ -114,7 +125,7 @@ def train(preset, sequence, steps, ablation, entangled, seed, data_root, downloa
                 cfg.data.download = True
         else:
             sets = list(overrides) + option_overrides(sequence, steps, entangled, seed, data_root, download)
-            cfg = build_config(preset, sets, ablation)
+            cfg = build_config(preset, sets, ablation, schedule)
             path = run_dir_for(cfg, run_dir)
         check_run_dir(path, resume=bool(resume_dir), overwrite=overwrite)
         trainer = Trainer(cfg, path, progress=not no_progress, device=_resolve_device(device))
@@ -138,7 +149,7 @@ def _interrupt(signum, frame):
 
 
 # Options that would be silently ignored by --resume (the run keeps its own config).
-_NOT_WITH_RESUME = ("preset", "sequence", "steps", "ablation", "entangled", "seed", "run_dir", "overwrite",
+_NOT_WITH_RESUME = ("preset", "schedule", "sequence", "steps", "ablation", "entangled", "seed", "run_dir", "overwrite",
                     "overrides")
 
 
@@ -220,7 +231,9 @@ def table(run_dirs, as_json, markdown, output, readme):
 @click.option("--used-only", is_flag=True, help="Traversals: only the latents each slot uses.")
 @click.option("--image", type=click.IntRange(min=0), default=0, show_default=True,
               help="Traversals: index of the held-out seed image of each environment.")
-@click.option("--source", default=None, help="Cross-domain: rows from this environment only (default: one per environment).")
+@click.option(
+    "--source", default=None, help="Cross-domain: rows from this environment only (default: one per environment)."
+)
 @click.option("--envs", default=None, metavar="A,B",
               help="Ambiguity: the two environments to interpolate (default: the first two of the sequence).")
 @click.option("--data-root", type=click.Path(file_okay=False), default=None,
@@ -270,15 +283,18 @@ def inspect(run_dir, pictures, step, used_only, image, source, envs, data_root):
 @click.option("--data-root", type=click.Path(file_okay=False), default=None,
               help="Data root (default: $VASE_DATA_ROOT or ./datasets).")
 @click.option("--download", is_flag=True, help="Download MNIST/Fashion-MNIST with torchvision if missing.")
-@click.option("--dry-run", is_flag=True, help="List the runs, their state and their `vase train` commands; train nothing.")
+@click.option(
+    "--dry-run", is_flag=True, help="List the runs, their state and their `vase train` commands; train nothing."
+)
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
 @_device_option()
+@_schedule_option()
 @click.option("--gpus", type=click.IntRange(min=0), default=0, show_default=True,
               help="GPUs of this machine to spread the runs over (each run sees one, via CUDA_VISIBLE_DEVICES).")
 @click.option("--runs-per-gpu", type=click.IntRange(min=1), default=1, show_default=True,
               help="Runs sharing one GPU at a time (with --gpus; with --ray each run asks for 1/N of a GPU).")
 def grid(rows, modes, seeds, preset, sequence, steps, overrides, root, threads, workers, use_ray, ray_address,
-         data_root, download, dry_run, no_progress, device, gpus, runs_per_gpu):
+         data_root, download, dry_run, no_progress, device, schedule, gpus, runs_per_gpu):
     """Run the ablation grid (rows x modes x seeds of `vase train`) and print Table 1.
 
     Runs go in parallel on this machine, or on a Ray cluster with --ray. Run the same command
@@ -286,14 +302,23 @@ def grid(rows, modes, seeds, preset, sequence, steps, overrides, root, threads, 
     """
     import os
 
-    from vase.grid import (DONE, PAPER_SEQUENCE, GridSpec, parse_modes, parse_rows, parse_seeds, plan, run_grid,
-                           train_arguments)
+    from vase.grid import (
+        DONE,
+        PAPER_SEQUENCE,
+        GridSpec,
+        parse_modes,
+        parse_rows,
+        parse_seeds,
+        plan,
+        run_grid,
+        train_arguments,
+    )
     from vase.grid_backends import LocalBackend, RayBackend
 
     try:
         spec = GridSpec(parse_rows(rows), parse_modes(modes), parse_seeds(seeds), Path(root), preset,
                         sequence or PAPER_SEQUENCE, steps, tuple(overrides), threads, data_root, download,
-                        "cuda" if gpus or (runs_per_gpu > 1 and (use_ray or ray_address)) else device)
+                        "cuda" if gpus or (runs_per_gpu > 1 and (use_ray or ray_address)) else device, schedule)
         for run in spec.runs():  # every cell's config is valid before anything starts
             spec.config(run)
         if (use_ray or ray_address) and workers is not None:

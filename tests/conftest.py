@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-# The read-only folder next to the repo that holds the MD5-verified raw digit files (spec §9).
+# The read-only folder next to the repo that holds the MD5-verified raw digit files (docs/usage.md, data).
 SHARED_DIR = Path(__file__).resolve().parents[2] / "shared"
 
 

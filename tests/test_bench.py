@@ -10,7 +10,14 @@ from torch.nn import functional as F
 
 from vase import networks
 from vase.bench import (
-    ModelCosts, PassRecorder, Spec, layer_costs, pass_flops, prepare_environments, reference_from, run_bench,
+    ModelCosts,
+    PassRecorder,
+    Spec,
+    layer_costs,
+    pass_flops,
+    prepare_environments,
+    reference_from,
+    run_bench,
 )
 from vase.config import build_config
 from vase.learner import Learner
@@ -44,7 +51,7 @@ def test_paper_networks_cost_what_the_spec_says():
     assert [c.macs for c in costs.decoder[-4:]] == [4 * 4 * 128 * 128 * 16, 8 * 8 * 128 * 64 * 16,
                                                     16 * 16 * 64 * 64 * 16, 32 * 32 * 64 * 1 * 16]
     step = costs.flops("encoder", 64, True) + costs.flops("decoder", 64, True)
-    assert 23e9 < step < 24.5e9  # spec §2: "about 24 GFLOP"
+    assert 23e9 < step < 24.5e9  # docs/method.md, networks: "about 24 GFLOP"
 
 
 def test_recorded_passes_of_a_vase_step():

@@ -157,7 +157,12 @@ def test_tensorboard_holds_scalars_and_images(sprite_run):
     for env in ("moving_shapes_a", "shapes_b", "moving_shapes_b"):
         assert f"reconstruction/{env}" in images
         assert f"traversal/{env}" in images
-    assert {"figures/latent_use", "figures/cross_domain", "figures/atypicality_profile", "figures/probe_curves"} <= images
+    assert {
+        "figures/latent_use",
+        "figures/cross_domain",
+        "figures/atypicality_profile",
+        "figures/probe_curves",
+    } <= images
 
 
 @pytest.mark.slow

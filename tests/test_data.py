@@ -1,4 +1,4 @@
-"""Tests of the data package: the environments of spec §9, the sprite cache and the digit files."""
+"""Tests of the data package: the environments of docs/usage.md, data, the sprite cache and the digit files."""
 from __future__ import annotations
 
 import shutil
@@ -9,8 +9,7 @@ import torch
 from torchvision.datasets import MNIST
 
 from vase.config import DataConfig
-from vase.data import ENVIRONMENT_NAMES, import_raw, load_environment, load_sequence, verify_digit_files
-from vase.data import sprites
+from vase.data import ENVIRONMENT_NAMES, import_raw, load_environment, load_sequence, sprites, verify_digit_files
 from vase.errors import DataError
 
 DIGIT_ENVS = ("mnist", "moving_mnist", "fashion", "moving_fashion", "inverse_fashion")

@@ -14,15 +14,26 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
-from cli import main
 from test_cli import TINY, invoke, tiny_args
 from test_reliability import KILLER, comparable, read_results
+
+from cli import main
 from vase import grid as grid_module
 from vase.config import build_config
 from vase.errors import ConfigError, VaseError
-from vase.grid import (DONE, NEW, RESUME, TABLE1_ROWS, GridSpec, parse_modes, parse_rows, parse_seeds, plan,
-                       run_grid, train_arguments)
+from vase.grid import (
+    DONE,
+    NEW,
+    RESUME,
+    TABLE1_ROWS,
+    GridSpec,
+    parse_modes,
+    parse_rows,
+    parse_seeds,
+    plan,
+    run_grid,
+    train_arguments,
+)
 from vase.grid_backends import Job, LocalBackend, Outcome, execute, pack_dir, receive, unpack_dir
 
 SEQUENCE = "moving_shapes_a,shapes_b"
@@ -162,9 +173,12 @@ def test_older_runs_count_where_the_changed_setting_cannot_act(tmp_path, age_con
 
 def test_the_new_environment_settings_are_inert_exactly_where_no_environment_is_allocated_under_eq3():
     for setting in ("objective.new_env_ramp_steps", "objective.fresh_aggregate_weight"):
-        inert = {(row, mode): setting in build_config("cpu", [] if mode == "disentangled" else ["objective.mode=entangled"],
-                                                      row).inert_settings()
-                 for row in TABLE1_ROWS for mode in ("disentangled", "entangled")}
+        inert = {
+            (row, mode): setting
+            in build_config("cpu", [] if mode == "disentangled" else ["objective.mode=entangled"], row).inert_settings()
+            for row in TABLE1_ROWS
+            for mode in ("disentangled", "entangled")
+        }
         assert {key for key, value in inert.items() if not value} == {
             (row, "disentangled") for row in ("S", "SA", "SD", "SDA", "SD-[41]")}, setting
 
@@ -281,8 +295,9 @@ def test_the_driver_reports_failures_writes_the_table_and_reruns_only_what_is_mi
     report = run_grid(spec, second, echo=lines.append, progress=False)
     assert second.ran == ["none-disentangled-s1"] and not report.failed
     assert any("4 runs under" in x and "3 finished, 1 to resume, 0 to start" in x for x in lines)
-    assert {row["ablation"]: row["seeds"] for row in json.loads((tmp_path / "grid" / "table1.json").read_text())["rows"]} \
-        == {"SDA": [0, 1], "-": [0, 1]}
+    assert {
+        row["ablation"]: row["seeds"] for row in json.loads((tmp_path / "grid" / "table1.json").read_text())["rows"]
+    } == {"SDA": [0, 1], "-": [0, 1]}
 
 
 def test_grid_refuses_bad_input_in_one_line(tmp_path):
@@ -339,7 +354,9 @@ def test_a_grid_trains_each_cell_as_vase_train_would_and_keeps_finished_runs(tmp
 def test_a_killed_grid_resumes_its_runs_exactly(tmp_path, sprite_data, monkeypatch):
     spec = tiny_spec(tmp_path / "grid", sprite_data, rows=("SDA",))
     monkeypatch.setenv("VASE_TEST_KILL", "step:13")  # the child SIGKILLs itself 3 steps after its step-10 checkpoint
-    report = run_grid(spec, LocalBackend(1, command=[sys.executable, "-c", KILLER]), echo=lambda s: None, progress=False)
+    report = run_grid(
+        spec, LocalBackend(1, command=[sys.executable, "-c", KILLER]), echo=lambda s: None, progress=False
+    )
     assert [name for name, _ in report.failed] == ["SDA-disentangled-s0"] and report.table is None
     assert f"exit code {-signal.SIGKILL}" in report.failed[0][1]
     monkeypatch.delenv("VASE_TEST_KILL")
@@ -358,7 +375,9 @@ def test_a_grid_on_ray_gives_the_same_runs(tmp_path, sprite_data):
     root = tmp_path / "grid"
     result = invoke(grid_cli_args(root, sprite_data, rows="SDA") + ["--ray"])
     assert result.exit_code == 0, result.output
-    assert comparable(read_results(root / "SDA-disentangled-s0")) == comparable(straight_run(tmp_path, sprite_data, "SDA"))
+    assert comparable(read_results(root / "SDA-disentangled-s0")) == comparable(
+        straight_run(tmp_path, sprite_data, "SDA")
+    )
 
 
 def grid_children(root: Path) -> list[int]:
@@ -385,10 +404,14 @@ def test_sigterm_stops_every_run_of_the_grid_and_the_next_call_resumes_them(tmp_
     args[args.index("--steps") + 1] = "400"  # long enough to be stopped mid-run
     grid = subprocess.Popen([sys.executable, "-m", "cli", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
-    checkpoints = [root / name / "checkpoints" / "latest.json" for name in ("SDA-disentangled-s0", "none-disentangled-s0")]
+    checkpoints = [
+        root / name / "checkpoints" / "latest.json" for name in ("SDA-disentangled-s0", "none-disentangled-s0")
+    ]
     deadline = time.monotonic() + 240
     while not all(c.is_file() for c in checkpoints):
-        assert grid.poll() is None and time.monotonic() < deadline, grid.stdout.read() if grid.poll() is not None else ""
+        assert grid.poll() is None and time.monotonic() < deadline, (
+            grid.stdout.read() if grid.poll() is not None else ""
+        )
         time.sleep(0.5)
     assert len(grid_children(root)) == 2
     grid.send_signal(signal.SIGTERM)

@@ -93,7 +93,9 @@ def test_the_animation_moves_only_the_swept_latents_tile():
     pictures = traversal_animation(frames, colours, band=2)
     assert len(pictures) == 5 and all(p.shape == pictures[0].shape for p in pictures)
     # Two tiles side by side (2 columns), each 2 + SIDE tall, padded by 2.
-    tile = lambda p, i: p[:, 2 + 2:2 + 2 + SIDE, 2 + i * (SIDE + 2):2 + i * (SIDE + 2) + SIDE]
+    def tile(p, i):
+        return p[:, 2 + 2:2 + 2 + SIDE, 2 + i * (SIDE + 2):2 + i * (SIDE + 2) + SIDE]
+
     moving = [column_of_square(tile(p, 0)) for p in pictures]
     assert all(b > a for a, b in pairwise(moving))
     assert all(torch.equal(tile(p, 1), tile(pictures[0], 1)) for p in pictures)

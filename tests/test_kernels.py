@@ -90,7 +90,9 @@ def test_more_threads_than_channel_blocks_are_left_to_onednn(monkeypatch):
     assert kernels.conv_weight_grad(x, grad) is not None
 
 
-@pytest.mark.skipif(not kernels.status().startswith("off (written for AVX2"), reason="only where the CPU level turns it off")
+@pytest.mark.skipif(
+    not kernels.status().startswith("off (written for AVX2"), reason="only where the CPU level turns it off"
+)
 def test_the_kernel_tests_also_run_on_avx512_machines_with_pytorch_forced_to_avx2():
     """On an AVX-512 CPU the kernel is off, so the tests above skip and the C code would go
     untested. PyTorch run as AVX2 (ATEN_CPU_CAPABILITY=avx2) turns it on: run them there. That

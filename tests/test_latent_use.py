@@ -42,7 +42,9 @@ def test_latent_use_reports_kl_mask_and_active_latents():
     learner = Learner(cfg)
     learner.model.encoder = FixedEncoder(cfg.model.latents, cfg.model.hidden)
     learner.masks.masks[0, 2] = 0.0  # slot 0 masks latent 2
-    learner.inference.usage[0] = torch.tensor([1.5] + [0.0] * (cfg.model.latents - 2) + [0.05])  # used while training: latent 0
+    learner.inference.usage[0] = torch.tensor(
+        [1.5] + [0.0] * (cfg.model.latents - 2) + [0.05]
+    )  # used while training: latent 0
     fake = SimpleNamespace(
         cfg=cfg, learner=learner, envs=[SimpleNamespace(name="one")], held_out=[torch.rand(5, 1, 64, 64)],
         test_envs=[with_factors(class_=[0, 1, 0, 1, 0], x=[0, 1, 2, 3, 4])], frozen_encoder=frozen(learner),

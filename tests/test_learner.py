@@ -82,7 +82,9 @@ def test_the_step_loss_is_eq8_with_the_dream_weights(decoder_term):
 
 @pytest.mark.parametrize("aggregate_weight", [0.0, 1.0])
 def test_masked_latents_get_no_gradient_in_the_step(aggregate_weight):
-    lrn = learner("A", ["mask.lambda_low=0.01", "mask.lambda_high=0.02", f"objective.aggregate_weight={aggregate_weight}"])
+    lrn = learner(
+        "A", ["mask.lambda_low=0.01", "mask.lambda_high=0.02", f"objective.aggregate_weight={aggregate_weight}"]
+    )
     x = squares(16, torch.Generator().manual_seed(0), 0)
     lrn.training_step(x)
     mask = lrn.masks.mask(0).clone()

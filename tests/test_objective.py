@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from vase.config import ObjectiveConfig, build_config, load_run_config
-from vase.objective import capacity, environment_capacity, kl_per_latent, masked_kl, masked_sample, mdl_loss, reconstruction_nll
+from vase.objective import (
+    capacity,
+    environment_capacity,
+    kl_per_latent,
+    masked_kl,
+    masked_sample,
+    mdl_loss,
+    reconstruction_nll,
+)
 
 
 def test_kl_of_standard_normal_posterior_is_zero():
@@ -214,3 +222,22 @@ def test_an_unknown_capacity_form_is_refused():
 
     with pytest.raises(ConfigError, match="objective.capacity_form must be 'squared' or 'absolute'"):
         build_config("cpu", ["objective.capacity_form=cubic"])
+
+
+def test_the_long_schedule_sets_the_lengths_together_and_overrides_win():
+    from vase.config import schedule_overrides
+
+    short, long = build_config("cpu"), build_config("cpu", [], "SDA", "long")
+    assert long.schedule == "long" and short.schedule == "short"
+    assert short == build_config("cpu", schedule_overrides("short"))
+    assert int(long.data.steps_per_env) > int(short.data.steps_per_env)
+    assert long.objective.capacity_ramp_steps > short.objective.capacity_ramp_steps
+    assert long.probe.every >= short.probe.every and long.inference.cooldown > short.inference.cooldown
+    assert build_config("cpu", ["data.steps_per_env=7"], "SDA", "long").data.steps_per_env == "7"
+
+
+def test_an_unknown_schedule_is_refused():
+    from vase.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown schedule 'eternal'"):
+        build_config("cpu", [], None, "eternal")

@@ -45,7 +45,9 @@ class FakeEnv:
         i = idx.numpy()
         images = torch.zeros(len(i), 1, 64, 64)
         if "class" in self.factors:
-            images[:, 0, 0, :N_CLASSES] = torch.from_numpy(np.eye(N_CLASSES, dtype=np.float32)[self.factors["class"][i]])
+            images[:, 0, 0, :N_CLASSES] = torch.from_numpy(
+                np.eye(N_CLASSES, dtype=np.float32)[self.factors["class"][i]]
+            )
         images[:, 0, 1, 0] = torch.from_numpy(self.factors["x"][i])
         images[:, 0, 1, 1] = torch.from_numpy(self.factors["y"][i])
         images[:, 0, 2, :NOISE] = torch.from_numpy(self.noise[i])

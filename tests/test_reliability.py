@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from test_cli import invoke, tiny_args
 
 from cli import main
-from test_cli import invoke, tiny_args
 from vase import checkpoint
 from vase.checkpoint import load_checkpoint, save_checkpoint
 from vase.errors import CheckpointError
@@ -92,7 +92,10 @@ def read_results(run: Path) -> dict:
 @pytest.mark.parametrize(
     "extra, phrase",
     [
-        (["--set", "mask.lambda_low=2.0", "--set", "mask.lambda_high=1.0"], "mask.lambda_low (2.0) must be < mask.lambda_high"),
+        (
+            ["--set", "mask.lambda_low=2.0", "--set", "mask.lambda_high=1.0"],
+            "mask.lambda_low (2.0) must be < mask.lambda_high",
+        ),
         (["--steps", "0"], "data.steps_per_env must be positive"),
         (["--steps=-3"], "data.steps_per_env must be positive"),
         (["--steps", "ten"], "data.steps_per_env must be integers"),
@@ -105,8 +108,20 @@ def read_results(run: Path) -> dict:
         (["--set", "train.batch_size=big"], "cannot read 'big' as int"),
         (["--ablation", "SDX"], "unknown ablation 'SDX'"),
     ],
-    ids=["lambda1>=lambda2", "steps0", "steps-negative", "steps-text", "batch0", "dream-batch", "kmax0",
-         "gamma-negative", "unknown-field", "unknown-section", "bad-int", "bad-ablation"],
+    ids=[
+        "lambda1>=lambda2",
+        "steps0",
+        "steps-negative",
+        "steps-text",
+        "batch0",
+        "dream-batch",
+        "kmax0",
+        "gamma-negative",
+        "unknown-field",
+        "unknown-section",
+        "bad-int",
+        "bad-ablation",
+    ],
 )
 def test_bad_setting_fails_in_one_line(tmp_path, extra, phrase):
     result = invoke(tiny_args(tmp_path / "run", tmp_path / "data") + extra)
@@ -237,7 +252,9 @@ class KilledHere(BaseException):
     """Stands in for a SIGKILL: nothing after the raise point runs, no cleanup code catches it."""
 
 
-@pytest.mark.parametrize("dies_at", [0, 1, 2, 3], ids=["before-rotation", "mid-rotation", "json-promoted", "pt-promoted"])
+@pytest.mark.parametrize(
+    "dies_at", [0, 1, 2, 3], ids=["before-rotation", "mid-rotation", "json-promoted", "pt-promoted"]
+)
 def test_a_save_killed_between_renames_leaves_a_verified_checkpoint(tmp_path, monkeypatch, dies_at):
     """Kill the save of step 3 at each of its four renames: loading finds step 3 (fully staged) or step 2."""
     for step in (1, 2):
@@ -298,7 +315,9 @@ def test_disk_full_while_checkpointing_keeps_the_previous_checkpoint(tmp_path, s
     monkeypatch.setattr(checkpoint, "open", open_, raising=False)
     run = tmp_path / "run"
     result = invoke(tiny_args(run, sprite_data, steps=10) + ["--sequence", "moving_shapes_a"])
-    fails_in_one_line(result, "No space left on device", "checkpoints already on disk are kept", "last good checkpoint: step 5")
+    fails_in_one_line(
+        result, "No space left on device", "checkpoints already on disk are kept", "last good checkpoint: step 5"
+    )
     monkeypatch.undo()
     _, meta = load_checkpoint(run)
     assert meta["step"] == 5
@@ -426,7 +445,11 @@ def test_sigkill_at_any_moment_then_resume_is_bit_identical(tmp_path, sprite_dat
     assert any(e["verdict"] == "new" and e["step"] >= 1 for e in events), "no allocation after step 0 to kill at"
 
     for i, (kill, notice) in enumerate(KILL_CHAIN):
-        args = tiny_args(killed, sprite_data, **RESUME_SETTINGS) if i == 0 else ["train", "--resume", str(killed), "--no-progress"]
+        args = (
+            tiny_args(killed, sprite_data, **RESUME_SETTINGS)
+            if i == 0
+            else ["train", "--resume", str(killed), "--no-progress"]
+        )
         proc = run_killable(args, kill, tmp_path)
         if kill:
             assert proc.returncode == -signal.SIGKILL, f"{kill}: exit {proc.returncode}\n{proc.stderr[-2000:]}"

@@ -10,7 +10,7 @@ environment whose inferred variance grows with the ambiguity.
 What is measured [ours: the paper's protocol is in its unpublished appendix]:
 - per example, q(s=A|x(w)), the classifier's softmax: it depends on x alone (no batch statistics
   in the encoder), so it is the same in every context;
-- per batch, the softmax averaged over the batch (spec §2), which decides the slot (eq. 6's
+- per batch, the softmax averaged over the batch (docs/method.md, networks), which decides the slot (eq. 6's
   s_hat): each batch holds `pairs` ambiguous images and as many real held-out images, of which
   the share `context` comes from A and the rest from B;
 - sharpness: the width in w over which the per-example q(s=A|x) falls from 0.9 to 0.1;
@@ -112,7 +112,7 @@ class AmbiguityResult:
 
 @torch.no_grad()
 def class_probabilities(learner, x: torch.Tensor) -> torch.Tensor:
-    """q_psi(s|x) per example (B, K_max), the softmax the method averages over a batch (spec §2)."""
+    """q_psi(s|x) per example (B, K_max), the softmax the method averages over a batch (docs/method.md, networks)."""
     return F.softmax(learner.classifier(learner.model.encoder(x).hidden), dim=1)
 
 

@@ -32,8 +32,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -42,9 +42,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from vase import kernels, networks
+from vase import learner as learner_module
 from vase.config import Config, ModelConfig, build_config
 from vase.errors import ConfigError
-from vase import learner as learner_module
 from vase.learner import Learner
 from vase.networks import IMAGE_SIZE, Decoder, Encoder, EnvironmentClassifier, he_init, use_implementation
 from vase.objective import capacity, kl_per_latent, mdl_loss
@@ -369,7 +369,10 @@ class Variant:
     def _settings(self):
         """The variant's thread count and code routes, for its build and each of its runs."""
         saved = networks.TRANSPOSED_WEIGHT_GRAD, learner_module.FUSED_ADAM
-        networks.TRANSPOSED_WEIGHT_GRAD, learner_module.FUSED_ADAM = self.spec.transposed_weight_grad, self.spec.fused_adam
+        networks.TRANSPOSED_WEIGHT_GRAD, learner_module.FUSED_ADAM = (
+            self.spec.transposed_weight_grad,
+            self.spec.fused_adam,
+        )
         try:
             with _num_threads(self.spec.threads):
                 yield
@@ -695,19 +698,44 @@ def default_specs(preset: str) -> list[Spec]:
     specs = [
         Spec(f"{p}/plain", 'plain step "-"', p),
         Spec(f"{p}/vase", "VASE step SDA, 2 past envs", p, ablation="SDA", n_envs=3),
-        Spec(f"{p}/vase_1past", "SDA, 1 past env (k_max 10)", p, ablation="SDA", overrides=("model.k_max=10",), n_envs=2),
-        Spec(f"{p}/vase_8past", "SDA, 8 past envs (k_max 10)", p, ablation="SDA", overrides=("model.k_max=10",), n_envs=9),
+        Spec(
+            f"{p}/vase_1past", "SDA, 1 past env (k_max 10)", p, ablation="SDA", overrides=("model.k_max=10",), n_envs=2
+        ),
+        Spec(
+            f"{p}/vase_8past", "SDA, 8 past envs (k_max 10)", p, ablation="SDA", overrides=("model.k_max=10",), n_envs=9
+        ),
         Spec(f"{p}/loop", "trainer-like loop, SDA 2 past", p, kind="loop", ablation="SDA", n_envs=3),
         Spec(f"{p}/plain_1thread", 'plain step "-", 1 thread', p, threads=1),
         Spec(f"{p}/plain_onednn_wgrad", 'plain "-", oneDNN weight gradients', p, overrides=(ONEDNN_WGRAD,)),
-        Spec(f"{p}/plain_nchw_wgrad", 'plain "-", NCHW deconv wgrad + multi-tensor Adam', p,
-             overrides=(ONEDNN_WGRAD,), transposed_weight_grad="nchw", fused_adam=False),
-        Spec(f"{p}/plain_cl", 'plain "-", old layers + kept memory', p, implementation="channels_last",
-             fused_adam=False),
-        Spec(f"{p}/before_plain", 'plain "-", before (old code, plain process)', p, implementation="channels_last",
-             process="plain", fused_adam=False),
-        Spec(f"{p}/before_vase", "SDA 2 past, before (old code, plain process)", p, ablation="SDA",
-             implementation="channels_last", n_envs=3, process="plain", fused_adam=False),
+        Spec(
+            f"{p}/plain_nchw_wgrad",
+            'plain "-", NCHW deconv wgrad + multi-tensor Adam',
+            p,
+            overrides=(ONEDNN_WGRAD,),
+            transposed_weight_grad="nchw",
+            fused_adam=False,
+        ),
+        Spec(
+            f"{p}/plain_cl", 'plain "-", old layers + kept memory', p, implementation="channels_last", fused_adam=False
+        ),
+        Spec(
+            f"{p}/before_plain",
+            'plain "-", before (old code, plain process)',
+            p,
+            implementation="channels_last",
+            process="plain",
+            fused_adam=False,
+        ),
+        Spec(
+            f"{p}/before_vase",
+            "SDA 2 past, before (old code, plain process)",
+            p,
+            ablation="SDA",
+            implementation="channels_last",
+            n_envs=3,
+            process="plain",
+            fused_adam=False,
+        ),
         Spec(f"{p}/reference", "reference NCHW (plain process)", p, kind="reference", process="plain"),
         Spec(f"{p}/reference_kept", "reference NCHW + kept memory (this process)", p, kind="reference"),
     ]
@@ -894,8 +922,10 @@ def format_report(results: dict) -> str:
             lines.append(f"  plain step: {100 * pv['fraction_of_matmul_peak']:.0f}% of the best matmul sample, "
                          f"{100 * pv['fraction_of_median_matmul']:.0f}% of the median one")
         if "vase_over_plain_time" in r:
-            lines.append(f"  VASE / plain: time x{r['vase_over_plain_time']:.2f}, FLOPs x{r['vase_over_plain_flops']:.2f}"
-                         f" -> cost per FLOP x{r['vase_cost_over_flop_ratio']:.2f}")
+            lines.append(
+                f"  VASE / plain: time x{r['vase_over_plain_time']:.2f}, FLOPs x{r['vase_over_plain_flops']:.2f}"
+                f" -> cost per FLOP x{r['vase_cost_over_flop_ratio']:.2f}"
+            )
         if "eight_over_one_env_time" in r:
             lines.append(f"  8 past envs / 1 past env: x{r['eight_over_one_env_time']:.2f}")
         loop = res["variants"].get("loop")
@@ -903,7 +933,8 @@ def format_report(results: dict) -> str:
             s = loop["sections_median_s"]
             lines.append(
                 f"  loop iteration (medians, ms): data {s['data'] * 1e3:.1f}, nets {s['nets'] * 1e3:.1f}, objective "
-                f"{s['objective'] * 1e3:.1f}, bookkeeping {s['bookkeeping'] * 1e3:.1f}, logging {s['logging'] * 1e3:.2f}"
+                f"{s['objective'] * 1e3:.1f}, bookkeeping {s['bookkeeping'] * 1e3:.1f}, "
+                f"logging {s['logging'] * 1e3:.2f}"
                 f" -> outside the model {100 * loop['outside_model_fraction']:.1f}%"
             )
         for key, text in (("speedup_vs_reference", "speed-up vs reference NCHW"),

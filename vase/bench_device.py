@@ -143,7 +143,11 @@ def sharing(preset: str, device: torch.device, runs: int, seconds: float) -> dic
     rates = [results.get() for _ in procs]
     for p in procs:
         p.join()
-    return {"runs": runs, "per_run_steps_per_s": [round(r, 1) for r in rates], "total_steps_per_s": round(sum(rates), 1)}
+    return {
+        "runs": runs,
+        "per_run_steps_per_s": [round(r, 1) for r in rates],
+        "total_steps_per_s": round(sum(rates), 1),
+    }
 
 
 def run_device_bench(device: torch.device, presets: list[str], block: int, json_out: str | None,

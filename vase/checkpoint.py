@@ -118,7 +118,11 @@ def save_checkpoint(run_dir: Path, state: dict[str, Any], meta: dict[str, Any]) 
         write_atomic(directory / "staged.json", json.dumps(meta, indent=2).encode())
         _promote(directory)
     except (OSError, CheckpointError) as e:
-        reason = str(e) if isinstance(e, CheckpointError) else f"could not save a checkpoint in {directory} ({e.strerror or e})"
+        reason = (
+            str(e)
+            if isinstance(e, CheckpointError)
+            else f"could not save a checkpoint in {directory} ({e.strerror or e})"
+        )
         raise CheckpointError(f"{reason}; the run stopped and the checkpoints already on disk are kept") from e
     return directory / "latest.pt"
 

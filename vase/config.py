@@ -18,13 +18,16 @@ from vase.errors import ConfigError
 
 CONFIG_VERSION = 1
 PRESET_DIR = Path(__file__).parent / "presets"
+# Schedules set the lengths of a run together: steps, the capacity ramp, tau, the probe interval and
+# the new-slot settings (docs/method.md, "The regime").
+SCHEDULE_DIR = Path(__file__).parent / "schedules"
 DATA_ROOT_ENV = "VASE_DATA_ROOT"
 DEFAULT_DATA_ROOT = "datasets"
 
 
 @dataclass
 class DataConfig:
-    # Comma-separated environment names, trained in this order (spec §9).
+    # Comma-separated environment names, trained in this order (docs/usage.md, data).
     sequence: str = "moving_shapes_a,shapes_b,moving_shapes_b"
     # Training steps per environment: one int for all, or a comma list with one per environment.
     steps_per_env: str = "1200"
@@ -72,7 +75,7 @@ class ModelConfig:
     latents: int = 24  # [appendix]
     k_max: int = 8  # environment slots of the decoder one-hot and the classifier [ours]
     image_channels: int = 1
-    # channels_last is several times faster for some conv shapes on CPU (spec §2, measured by bench).
+    # channels_last is several times faster for some conv shapes on CPU (docs/method.md, networks, measured by bench).
     channels_last: bool = True
     # Who computes the convs' weight gradients [ours, speed]: "native", our AVX2 kernel
     # (vase/kernels; oneDNN where it cannot be built or a layer has no 16k channels), or "onednn".
@@ -107,14 +110,14 @@ class ObjectiveConfig:
     # their posteriors alike for every image than by learning a factor: KL without information,
     # which leaves them neither spare nor informative. With weight 1 that costs exactly what it
     # earns on the capacity term, so C must be met with information; measured on the digits (most
-    # latents spare in 6 seeds of 10, against 4 with 0) and the sprites in docs/calibration.md.
+    # latents spare in 6 seeds of 10, against 4 with 0) and the sprites in docs/method.md.
     # 0 is eq. 3 alone, the release before.
     fresh_aggregate_weight: float = 1.0
     # [ours] A newly allocated environment's own capacity ramp, in steps from 0 to C_max: its
     # target starts from the KL it carries when allocated and climbs at this slope, never above
     # C(t). Without it (0, eq. 3 read literally) a new environment whose known latents are masked
     # must find C(t) nats at once, and on the digits one did so by collapsing the shared encoder
-    # (docs/calibration.md). The first environment follows C(t) itself.
+    # (docs/method.md). The first environment follows C(t) itself.
     new_env_ramp_steps: int = 1000
 
 
@@ -139,7 +142,7 @@ class InferenceConfig:
     # S: environment inference (eq. 6).
     enabled: bool = True
     rules: str = "vase"  # a name from RULE_SETS
-    kappa: float = 2.0  # reconstruction threshold multiple [ours, calibrated: docs/calibration.md]
+    kappa: float = 2.0  # reconstruction threshold multiple [ours, calibrated: docs/method.md]
     # Additive slack of the threshold, kappa * L_s + margin, in nats per image [ours]: once an
     # environment is learnt to ~1 nat (three static sprites), kappa * L alone is batch noise.
     error_margin: float = 25.0
@@ -172,7 +175,7 @@ class DreamConfig:
     # Weights of eq. 7's two terms [ours; unpublished]. A decoder weight of 10 makes the older
     # slots forget less, but a slot that keeps its data well also accepts new data: on the digits
     # moving MNIST then joined moving Fashion's slot in 3 of 10 seeds (none at 1). Both at 10 merged
-    # the sprites (docs/calibration.md, "A heavier dream decoder term").
+    # the sprites (docs/method.md, "A heavier dream decoder term").
     encoder_weight: float = 1.0
     decoder_weight: float = 1.0
 
@@ -209,6 +212,7 @@ class ProbeConfig:
 class Config:
     version: int = CONFIG_VERSION
     preset: str = "cpu"
+    schedule: str = "short"
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
@@ -300,7 +304,9 @@ class Config:
         """Refuse impossible settings with one clear message each."""
         errs = []
         if self.mask.lambda_low >= self.mask.lambda_high:
-            errs.append(f"mask.lambda_low ({self.mask.lambda_low}) must be < mask.lambda_high ({self.mask.lambda_high})")
+            errs.append(
+                f"mask.lambda_low ({self.mask.lambda_low}) must be < mask.lambda_high ({self.mask.lambda_high})"
+            )
         if self.train.batch_size <= 0:
             errs.append("train.batch_size must be positive")
         if self.dream.batch_size <= 0:
@@ -314,7 +320,9 @@ class Config:
         if self.objective.fresh_aggregate_weight < 0:
             errs.append("objective.fresh_aggregate_weight must be >= 0")
         if self.objective.capacity_form not in ("squared", "absolute"):
-            errs.append(f"objective.capacity_form must be 'squared' or 'absolute', got {self.objective.capacity_form!r}")
+            errs.append(
+                f"objective.capacity_form must be 'squared' or 'absolute', got {self.objective.capacity_form!r}"
+            )
         if self.inference.rules not in RULE_SETS:
             errs.append(f"inference.rules must be one of {', '.join(RULE_SETS)}, got {self.inference.rules!r}")
         if self.objective.mode not in ("disentangled", "entangled"):
@@ -411,8 +419,26 @@ def load_preset(name: str) -> Config:
     return cfg
 
 
-def build_config(preset: str = "cpu", overrides: list[str] | None = None, ablation: str | None = None) -> Config:
+def schedule_names() -> list[str]:
+    return sorted(p.stem for p in SCHEDULE_DIR.glob("*.json"))
+
+
+def schedule_overrides(name: str) -> list[str]:
+    """The `section.field=value` settings of a named schedule."""
+    path = SCHEDULE_DIR / f"{name}.json"
+    if not path.exists():
+        raise ConfigError(f"unknown schedule {name!r}; known schedules: {', '.join(schedule_names())}")
+    return [f"{section}.{key}={value}" for section, values in json.loads(path.read_text()).items()
+            for key, value in values.items()]
+
+
+def build_config(preset: str = "cpu", overrides: list[str] | None = None, ablation: str | None = None,
+                 schedule: str = "short") -> Config:
+    """The preset, then the schedule, then the ablation, then the overrides (which win)."""
     cfg = load_preset(preset)
+    for o in schedule_overrides(schedule):
+        cfg.override(o)
+    cfg.schedule = schedule
     if ablation is not None:
         cfg.set_ablation(ablation)
     for o in overrides or []:

@@ -70,7 +70,7 @@ def encoder_path(run_dir: Path, step: int) -> Path:
 
 
 def has_ground_truth(env) -> bool:
-    """Sprites know every factor (spec §9), so MIG and DCI are meaningful on them."""
+    """Sprites know every factor (docs/usage.md, data), so MIG and DCI are meaningful on them."""
     return env.family.startswith("shapes")
 
 
@@ -82,11 +82,19 @@ def disentanglement_scores(envs: list, encode, stage: int, seed: int) -> dict:
         if not has_ground_truth(env):
             continue
         n = min(METRIC_IMAGES, len(env))
-        codes = np.concatenate([encode(env.batch(torch.arange(a, min(a + 512, n)))).cpu().numpy() for a in range(0, n, 512)])
+        codes = np.concatenate(
+            [encode(env.batch(torch.arange(a, min(a + 512, n)))).cpu().numpy() for a in range(0, n, 512)]
+        )
         factors = env.factor_matrix()[:n]
         rng = np.random.default_rng(seed + i)
         s = {"mig": mig(factors, codes, rng)["mig"]}
-        s.update({k: v for k, v in dci(factors, codes, rng).items() if k in ("disentanglement", "completeness", "informativeness")})
+        s.update(
+            {
+                k: v
+                for k, v in dci(factors, codes, rng).items()
+                if k in ("disentanglement", "completeness", "informativeness")
+            }
+        )
         scores[env.name] = {k: float(v) for k, v in s.items()}
     return {"stage": stage, "scores": scores}
 

@@ -116,6 +116,7 @@ class GridSpec:
     data_root: str | None = None
     download: bool = False
     device: str = "auto"  # each run's --device; not part of its config, so it does not change the cell
+    schedule: str = "short"
 
     def runs(self) -> list[GridRun]:
         root = Path(self.root).absolute()  # Ray tasks run in another working directory
@@ -124,16 +125,19 @@ class GridSpec:
     def settings(self, run: GridRun) -> list[str]:
         """The overrides that make `run`'s config, exactly as `vase train` would build them."""
         data_root = str(Path(self.data_root).absolute()) if self.data_root else None
-        return [*self.overrides, f"train.threads={self.threads}",
-                *option_overrides(self.sequence, self.steps, run.mode == "entangled", run.seed, data_root, self.download)]
+        return [
+            *self.overrides,
+            f"train.threads={self.threads}",
+            *option_overrides(self.sequence, self.steps, run.mode == "entangled", run.seed, data_root, self.download),
+        ]
 
     def config(self, run: GridRun) -> Config:
-        return build_config(self.preset, self.settings(run), run.row)
+        return build_config(self.preset, self.settings(run), run.row, self.schedule)
 
     def to_dict(self) -> dict:
         return {"rows": list(self.rows), "modes": list(self.modes), "seeds": list(self.seeds), "preset": self.preset,
                 "sequence": self.sequence, "steps": self.steps, "overrides": list(self.overrides),
-                "threads": self.threads}
+                "threads": self.threads, "schedule": self.schedule}
 
 
 # -- what each run needs ----------------------------------------------------------------------------
@@ -198,7 +202,7 @@ def train_arguments(spec: GridSpec, run: GridRun, status: str) -> list[str]:
             args += ["--data-root", str(Path(spec.data_root).absolute())]
         return args
     args = ["train", "--preset", spec.preset, f"--ablation={run.row}", "--run-dir", str(run.run_dir), "--no-progress",
-            "--device", spec.device]
+            "--device", spec.device, "--schedule", spec.schedule]
     for setting in spec.settings(run):
         args += ["--set", setting]
     return args
@@ -250,13 +254,17 @@ def run_grid(spec: GridSpec, backend, echo=print, progress: bool = True) -> Grid
     planned = plan(spec)
     todo = [(run, status) for run, status in planned if status != DONE]
     counts = {s: sum(1 for _, st in planned if st == s) for s in (NEW, RESUME, DONE)}
-    echo(f"vase grid: {len(planned)} run{'' if len(planned) == 1 else 's'} under {spec.root}: {counts[DONE]} finished, {counts[RESUME]} to resume, "
-         f"{counts[NEW]} to start")
+    echo(
+        f"vase grid: {len(planned)} run{'' if len(planned) == 1 else 's'} under {spec.root}: "
+        f"{counts[DONE]} finished, {counts[RESUME]} to resume, {counts[NEW]} to start"
+    )
     finished: list[str] = []
     failed: list[tuple[str, str]] = []
     if todo:
         prepare_data(spec, progress=progress)
-        jobs = [Job(run.name, train_arguments(spec, run, status), str(run.run_dir), str(run.log)) for run, status in todo]
+        jobs = [
+            Job(run.name, train_arguments(spec, run, status), str(run.run_dir), str(run.log)) for run, status in todo
+        ]
         bar = tqdm(total=len(jobs), desc="vase grid", unit="run", disable=not progress)
 
         def on_done(job, outcome) -> None:

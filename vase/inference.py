@@ -1,4 +1,4 @@
-"""S: environment inference (eq. 6, spec §5).
+"""S: environment inference (eq. 6, eq. 6).
 
 The learner is never told which environment a batch comes from. For each batch it asks the
 auxiliary classifier for the most likely past environment s_hat, then accepts s_hat only if
@@ -129,7 +129,7 @@ class EnvironmentInference:
         return self.usage_elsewhere(env) > self.cfg.used_kl
 
     def predict(self, probs: torch.Tensor) -> int:
-        """s_hat = argmax of the batch-averaged q_psi(s|x) over the allocated slots (spec §2)."""
+        """s_hat = argmax of the batch-averaged q_psi(s|x) over the allocated slots (docs/method.md, networks)."""
         return int(probs[: self.n_envs].argmax())
 
     def threshold(self, env: int) -> float:

@@ -24,7 +24,7 @@ from vase.visualize import latent_colours, traversal_animation, traversal_frames
 
 INSPECT_DIR = "inspect"
 PICTURES = ("traversals", "cross_domain", "latent_use", "atypicality", "probes", "ambiguity")
-# The GIF's sweep: -2..2 (spec §10) and back, 100 ms a frame.
+# The GIF's sweep: -2..2 (docs/method.md) and back, 100 ms a frame.
 GIF_VALUES = torch.linspace(-2.0, 2.0, 9)
 GIF_MS = 100
 
@@ -141,7 +141,9 @@ def write_traversals(trainer, out: Path, tag: str, used_only: bool, image: int, 
         env = trained.index(slot)
         name = trainer.envs[env].name
         if not 0 <= image < len(trainer.held_out[env]):
-            raise ConfigError(f"--image {image} is out of range: {name} has {len(trainer.held_out[env])} held-out images")
+            raise ConfigError(
+                f"--image {image} is out of range: {name} has {len(trainer.held_out[env])} held-out images"
+            )
         seed = trainer.held_out[env][image]
         usage = learner.inference.usage[slot]
         latents = torch.argsort(usage, descending=True, stable=True)

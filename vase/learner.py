@@ -17,16 +17,22 @@ import torch
 from torch.nn import functional as F
 
 from vase.config import Config
+from vase.device import precision_context
 from vase.dreaming import Dreams, Snapshot, decoder_proximity, encoder_proximity
 from vase.errors import NumericalError
 from vase.inference import Decision, EnvironmentInference
-from vase.paper_inference import PaperInference
 from vase.masking import LatentMasks, atypicality
-from vase.device import precision_context
 from vase.networks import VAE, EnvironmentClassifier, Posterior, place, use_implementation
-from vase.objective import (environment_capacity, kl_per_latent, masked_kl, masked_sample, mdl_loss, prior_where_masked,
-                            reconstruction_nll)
-
+from vase.objective import (
+    environment_capacity,
+    kl_per_latent,
+    masked_kl,
+    masked_sample,
+    mdl_loss,
+    prior_where_masked,
+    reconstruction_nll,
+)
+from vase.paper_inference import PaperInference
 
 # The fused Adam kernel updates all ~2M parameters of the paper preset in one pass: ~2.4 ms per step
 # against ~5 ms for the default multi-tensor one. `vase bench` times the step with both.
@@ -154,8 +160,13 @@ class Learner:
                 t, probs, alpha, info_batch, self.masks, lambda env: float(reconstruct(env)[2].detach().mean())
             )
         else:
-            decision = self.inference.infer(t, torch.ones(1, device=self.device), alpha, info_batch, self.masks, lambda env: 0.0) \
-                if self.inference.n_envs == 0 else Decision(t, 0, 0, "same")
+            decision = (
+                self.inference.infer(
+                    t, torch.ones(1, device=self.device), alpha, info_batch, self.masks, lambda env: 0.0
+                )
+                if self.inference.n_envs == 0
+                else Decision(t, 0, 0, "same")
+            )
         s = decision.env
         # Which latents a^s may switch off: any (eq. 5, the paper rules); other slots' latents with S
         # and the vase rules, learnt ones with one slot [ours, docs/method.md].
@@ -263,7 +274,9 @@ class Learner:
         """Reconstruction from mu under env with a^env (masked latents at the prior mean, 0)."""
         post = self.model.encoder(x)
         z = post.mu * self.masks.mask(env)
-        return torch.sigmoid(self.model.decoder(z, torch.full((x.shape[0],), env, dtype=torch.long, device=self.device)))
+        return torch.sigmoid(
+            self.model.decoder(z, torch.full((x.shape[0],), env, dtype=torch.long, device=self.device))
+        )
 
     @torch.no_grad()
     def reconstruction_error(self, x: torch.Tensor, env: int) -> float:

@@ -1,4 +1,4 @@
-"""A: latent masks from atypicality (eq. 4-5, spec §4)."""
+"""A: latent masks from atypicality (eq. 4-5, eq. 4-5)."""
 from __future__ import annotations
 
 import torch
@@ -10,7 +10,7 @@ def atypicality(mu: torch.Tensor, logvar: torch.Tensor) -> torch.Tensor:
     """alpha_n = KL(E_batch[q(z_n|x)] || N(0,1)) (eq. 4), one value per latent (N,).
 
     The batch aggregate is a Gaussian mixture; we replace it by the Gaussian with the mixture's
-    first two moments (spec §4), whose KL to N(0,1) is closed-form.
+    first two moments (eq. 4-5), whose KL to N(0,1) is closed-form.
     """
     m = mu.mean(0)
     v = (logvar.exp() + mu.pow(2)).mean(0) - m.pow(2)
@@ -29,7 +29,9 @@ def information(kl: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
     return (kl - alpha).clamp_min(0)
 
 
-def hysteresis(alpha: torch.Tensor, previous: torch.Tensor, cfg: MaskConfig, maskable: torch.Tensor | None = None) -> torch.Tensor:
+def hysteresis(
+    alpha: torch.Tensor, previous: torch.Tensor, cfg: MaskConfig, maskable: torch.Tensor | None = None
+) -> torch.Tensor:
     """Eq. 5 with two thresholds: off above lambda_high, on below lambda_low, else unchanged.
 
     Only `maskable` latents can be switched off (default: all). See `LatentMasks` for why.
@@ -56,7 +58,7 @@ class LatentMasks:
     - With S off there is one slot, and the learner passes its `learnt` latents: those it has used
       (usage above `used_kl`) while their smoothed alpha was settled below lambda_low. Literal eq. 5
       (every latent maskable) masked latents while they were being learnt and closed all 24 of
-      them in the "A" and "DA" rows (docs/calibration.md).
+      them in the "A" and "DA" rows (docs/method.md).
     """
 
     def __init__(self, k_max: int, latents: int, cfg: MaskConfig, device: torch.device | str = "cpu"):

@@ -1,4 +1,4 @@
-"""Encoder q_phi(z|x), decoder p_theta(x|z,s) and environment classifier q_psi(s|x) (spec §2).
+"""Encoder q_phi(z|x), decoder p_theta(x|z,s) and environment classifier q_psi(s|x) (docs/method.md, networks).
 
 How the convolutions are computed is an implementation choice of each Encoder/Decoder
 (`implementation` attribute, see `use_implementation`); all of them compute the same function of the
@@ -106,8 +106,8 @@ def _conv_one_channel_weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.
 
 
 class _ConvReLU(torch.autograd.Function):
-    """One conv layer of a `_conv_stack` (4x4, stride 2, padding 1, groups 1, plain or transposed) and its optional ReLU as a single
-    autograd node, with the memory format chosen per operation (measured by `vase bench`):
+    """One conv layer of a `_conv_stack` (4x4, stride 2, padding 1, groups 1, plain or transposed) and its
+    optional ReLU as a single autograd node, with the memory format chosen per operation (measured by `vase bench`):
 
     - forward and input gradient in channels_last (faster for every layer shape here);
     - weight gradient of transposed convs as that of the swapped plain conv, in channels_last
@@ -184,7 +184,9 @@ def _weight_grad(grad, x, weight, transposed: bool, native: bool, want_w: bool, 
     if (not transposed and weight.shape[1] == 1) or swapped:
         grad_b = grad.sum((0, 2, 3)) if want_b else None
         if swapped and weight.shape[1] > 1:
-            grad_w = _aten.convolution_backward(x, grad, weight, None, *args, False, [0, 0], 1, [False, want_w, False])[1]
+            grad_w = _aten.convolution_backward(x, grad, weight, None, *args, False, [0, 0], 1, [False, want_w, False])[
+                1
+            ]
         else:
             grad_w = _conv_one_channel_weight_grad(x, grad) if swapped else _conv_one_channel_weight_grad(grad, x)
             grad_w = grad_w.contiguous(memory_format=_CL) if weight.is_contiguous(memory_format=_CL) else grad_w
@@ -336,14 +338,14 @@ class Decoder(nn.Module):
 
 
 class EnvironmentClassifier(nn.Module):
-    """q_psi(s|x): one linear layer on the encoder's last hidden layer (spec §2)."""
+    """q_psi(s|x): one linear layer on the encoder's last hidden layer (docs/method.md, networks)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.linear = nn.Linear(cfg.hidden, cfg.k_max)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        # Stop-gradient: the classifier must never move the encoder's weights (spec §2).
+        # Stop-gradient: the classifier must never move the encoder's weights (docs/method.md, networks).
         return self.linear(hidden.detach())
 
 

@@ -1,4 +1,4 @@
-"""The MDL objective on current data (eq. 3) and its pieces, as pure functions (spec §3)."""
+"""The MDL objective on current data (eq. 3) and its pieces, as pure functions (eq. 3)."""
 from __future__ import annotations
 
 import torch

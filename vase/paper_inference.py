@@ -1,7 +1,7 @@
 """The `paper` rule set of environment inference: eq. 6 as written, and nothing else.
 
 For each batch:
-  s_hat = argmax_s of the batch-averaged q_psi(s|x)                       (spec §2)
+  s_hat = argmax_s of the batch-averaged q_psi(s|x)                       (docs/method.md, networks)
   s = s_hat   if  error(x | s_hat, a^s_hat) <= kappa * L_s_hat  and  a(x) = a^s_hat
                  on the latents that either uses                             (eq. 6)
   s = r + 1   otherwise (a new environment)

@@ -1,4 +1,4 @@
-"""The probe runner the trainer calls (spec §8): fixed probe sets, evaluation, Table 1 summaries.
+"""The probe runner the trainer calls (docs/probes.md): fixed probe sets, evaluation, Table 1 summaries.
 
 Protocol (ours, since the paper's appendix A.6 is unpublished; see ``docs/probes.md``):
 
@@ -232,7 +232,9 @@ class ProbeSuite:
     def _fingerprint(self) -> dict:
         return {
             "seed": int(self.cfg.seed),
-            "envs": [[name, len(env), len(tr), len(te)] for name, env, (tr, te) in zip(self.names, self.envs, self.sets)],
+            "envs": [
+                [name, len(env), len(tr), len(te)] for name, env, (tr, te) in zip(self.names, self.envs, self.sets)
+            ],
         }
 
 

@@ -126,7 +126,7 @@ def row_label(result: dict) -> str:
 
 def table1_rows(results: list[dict]) -> list[dict]:
     """Table 1 from several runs: one row per (mode, ablation and rule set, sequence, preset, steps),
-    the four numbers as mean and std over that group's seeds (spec §8), and the latent-use counts per
+    the four numbers as mean and std over that group's seeds (docs/probes.md), and the latent-use counts per
     seed. Runs of another length or network are another experiment, so they never share a row."""
     from vase.metrics.continual import mean_std_over_seeds
 

@@ -1,4 +1,4 @@
-"""The piece-wise stationary training stream (spec §1).
+"""The piece-wise stationary training stream (docs/method.md, the model).
 
 The stream knows which environment each step draws from; the learner is never told. The true
 identity is used only for evaluation (probes, the inferred-vs-true report).

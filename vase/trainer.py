@@ -21,7 +21,12 @@ from vase.data.environments import load_sequence
 from vase.device import configure_determinism, describe
 from vase.errors import CheckpointError, NumericalError, VaseError
 from vase.evaluation import (
-    ENCODER_DIR, FrozenEncoder, disentanglement_scores, encoder_path, factor_latents, held_out_images,
+    ENCODER_DIR,
+    FrozenEncoder,
+    disentanglement_scores,
+    encoder_path,
+    factor_latents,
+    held_out_images,
 )
 from vase.learner import Learner, StepOutput
 from vase.masking import atypicality, information
@@ -206,7 +211,9 @@ class Trainer:
         # Events up to this step reach the disk with the checkpoint; later ones are purged on resume.
         self.writer.flush()
         try:
-            save_checkpoint(self.run_dir, self.state_dict(), {"step": self.learner.step, "ablation": self.cfg.ablation()})
+            save_checkpoint(
+                self.run_dir, self.state_dict(), {"step": self.learner.step, "ablation": self.cfg.ablation()}
+            )
         except CheckpointError as e:
             raise CheckpointError(f"{e} ({self._checkpoint_note()})") from None
         self.last_checkpoint = self.learner.step
@@ -300,7 +307,9 @@ class Trainer:
             x = self.held_out[i][:PANEL]
             slot = self.learner.infer_slot(x)
             self.writer.add_image(
-                f"reconstruction/{self.envs[i].name}", reconstruction_grid(x, self.learner.reconstruct_mean(x, slot)), step
+                f"reconstruction/{self.envs[i].name}",
+                reconstruction_grid(x, self.learner.reconstruct_mean(x, slot)),
+                step,
             )
 
     def _probe(self, step: int, finished_env: int | None) -> None:
@@ -379,7 +388,9 @@ class Trainer:
             slot = self.learner.infer_slot(self.held_out[i][:PANEL])
             grid = traversal_grid(self.learner, self.held_out[i][0], slot, self.cfg.inference.used_kl)
             self.writer.add_image(f"traversal/{self.envs[i].name}", grid, step)
-        self.writer.add_image("mask/environments", mask_image(self.learner.masks.masks, self.learner.inference.n_envs), step)
+        self.writer.add_image(
+            "mask/environments", mask_image(self.learner.masks.masks, self.learner.inference.n_envs), step
+        )
         self._log_figures(step)
 
     def _log_figures(self, step: int) -> None:

@@ -70,7 +70,7 @@ def cross_domain_panel(learner, images: torch.Tensor, slots: int) -> torch.Tenso
     """Fig. 4B: each image encoded once and decoded under every slot s < `slots` with a^s.
 
     Returns (R, 1 + slots, C, H, W) in [0, 1]: the input, then its reconstruction under each slot.
-    mu depends on x only, never on s (spec §2), so what changes along a row is the decoder's
+    mu depends on x only, never on s (docs/method.md, networks), so what changes along a row is the decoder's
     reading of the same latents: the homologies VASE found between the environments.
     """
     decoded = [learner.reconstruct_mean(images, s) for s in range(slots)]

@@ -1,4 +1,4 @@
-"""Data: the environments of spec §9 and the tools that put digit files into a data root.
+"""Data: the environments of docs/usage.md, data and the tools that put digit files into a data root.
 
 - ``environments``: the ``Environment`` container and ``load_environment`` / ``load_sequence``.
 - ``digits``: MNIST / Fashion-MNIST glyphs pasted on a 64x64 canvas (centred or moving).

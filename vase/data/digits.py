@@ -1,4 +1,4 @@
-"""MNIST and Fashion-MNIST glyphs on a 64x64 canvas (spec §9).
+"""MNIST and Fashion-MNIST glyphs on a 64x64 canvas (docs/usage.md, data).
 
 One loader serves both datasets (torchvision's MNIST and FashionMNIST classes), and one paste
 helper serves both the centred and the moving variants: a centred image is simply a paste at the
@@ -15,7 +15,7 @@ from vase.errors import DataError
 
 CANVAS = 64
 GLYPH = 28
-MAX_OFFSET = CANVAS - GLYPH  # 36: offsets are uniform integers in [0, 36]² (spec §9)
+MAX_OFFSET = CANVAS - GLYPH  # 36: offsets are uniform integers in [0, 36]² (docs/usage.md, data)
 CENTRE_OFFSET = MAX_OFFSET // 2  # 18, which makes the normalised position exactly 0.5
 
 
@@ -66,7 +66,7 @@ def centred_offsets(n: int) -> np.ndarray:
 
 
 def random_offsets(n: int, rng: np.random.Generator) -> np.ndarray:
-    """(n, 2) int offsets (x, y), uniform over [0, 36]² (spec §9)."""
+    """(n, 2) int offsets (x, y), uniform over [0, 36]² (docs/usage.md, data)."""
     return rng.integers(0, MAX_OFFSET + 1, size=(n, 2), dtype=np.int64)
 
 
@@ -90,7 +90,7 @@ def digit_images(glyphs: np.ndarray, offsets: np.ndarray, inverse: bool) -> tupl
     """Canvas images and the position factors of glyphs pasted at ``offsets``.
 
     x, y are offset / 36, so they lie in [0, 1] and are exactly 0.5 when centred.
-    ``inverse`` gives 1 - image (spec §9, Inverse Fashion), i.e. 255 - value in uint8.
+    ``inverse`` gives 1 - image (docs/usage.md, data, Inverse Fashion), i.e. 255 - value in uint8.
     """
     images = paste(glyphs, offsets)
     if inverse:

@@ -1,4 +1,4 @@
-"""The environments of spec §9, by name, and the container every consumer uses.
+"""The environments of docs/usage.md, data, by name, and the container every consumer uses.
 
 An environment is a fixed array of 64x64 single-channel uint8 images plus ground-truth factors.
 Images stay uint8 in memory (4 KiB each) and are converted to float in [0, 1] per batch.
@@ -116,7 +116,7 @@ def _check_split(split: str) -> None:
 
 
 def _digit_arrays(name: str, split: str, spec: _Spec, cfg: DataConfig) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Images and factors of a digit/fashion environment (spec §9)."""
+    """Images and factors of a digit/fashion environment (docs/usage.md, data)."""
     glyphs, labels = digits.load_glyphs(spec.source, split, cfg.resolved_root(), cfg.download)
     if spec.moving:
         offsets = digits.random_offsets(len(glyphs), np.random.default_rng(_seed_words(cfg, name, split)))

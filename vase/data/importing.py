@@ -1,4 +1,4 @@
-"""Getting the digit and fashion files into a data root, and checking them (spec §9).
+"""Getting the digit and fashion files into a data root, and checking them (docs/usage.md, data).
 
 A data root holds ``MNIST/raw/*.gz`` and ``FashionMNIST/raw/*.gz`` exactly as torchvision lays
 them out, so a root filled by ``vase data import DIR`` and one filled by torchvision's own download

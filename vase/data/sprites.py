@@ -1,4 +1,4 @@
-"""Procedural sprites from Infinite dSprites, rendered once and cached (spec §9).
+"""Procedural sprites from Infinite dSprites, rendered once and cached (docs/usage.md, data).
 
 Sprites need no download: the shapes are generated from ``data_seed``. Set A is the first
 ``shapes_per_set`` generated shapes and set B the next ``shapes_per_set``, so the sets are disjoint.

@@ -1,4 +1,4 @@
-"""Probes and metrics, independent of the model (spec §8, §9, §10).
+"""Probes and metrics, independent of the model (docs/probes.md, §9, §10).
 
 - ``probes``: linear object-ID classifier and position regressor on frozen codes.
 - ``disentanglement``: MIG and DCI from ground-truth factors.

@@ -1,4 +1,4 @@
-"""Continual-learning summaries of probe curves: Table 1, the R matrix, forgetting and BWT (spec §8).
+"""Continual-learning summaries of probe curves: Table 1, the R matrix, forgetting and BWT (docs/probes.md).
 
 All functions are pure and work on ``ProbeCurve`` records. Values are kept **raw** everywhere:
 accuracy as a fraction in [0, 1] and MSE in squared [0, 1]-position units. Only the Table 1
@@ -72,7 +72,7 @@ def kind_of(name: str) -> str:
 def value_at(curve: ProbeCurve, step: int) -> float:
     """The curve's value at the last evaluation at or before ``step`` (NaN if there is none).
 
-    The trainer evaluates at every boundary (spec §8 "When"), so at a boundary this is the value
+    The trainer evaluates at every boundary (docs/probes.md "When"), so at a boundary this is the value
     measured exactly then.
     """
     index = int(np.searchsorted(np.asarray(curve.steps), step, side="right")) - 1
@@ -102,7 +102,7 @@ def curve_change(curve: ProbeCurve, env_end_steps: Sequence[int]) -> float:
 
 
 def table1_stats(curves: Sequence[ProbeCurve], env_end_steps: Sequence[int]) -> dict:
-    """Table 1 columns of one run, averaged over curves of the same kind (spec §8).
+    """Table 1 columns of one run, averaged over curves of the same kind (docs/probes.md).
 
     Returns raw values ``object_id_max``, ``object_id_change`` (accuracy curves) and
     ``position_min``, ``position_change`` (MSE curves), each a mean over the curves where it is
@@ -189,7 +189,7 @@ def to_table1_units(stats: dict) -> dict:
 
 
 def mean_std_over_seeds(runs: Sequence[dict]) -> tuple[dict, dict]:
-    """Mean and (population) std over seeds of the four Table 1 numbers of several runs (spec §8)."""
+    """Mean and (population) std over seeds of the four Table 1 numbers of several runs (docs/probes.md)."""
     keys = [key for kind in KINDS for key in table1_keys(kind)]
     mean = {k: nanmean([r[k] for r in runs]) for k in keys}
     std = {k: nanstd([r[k] for r in runs]) for k in keys}

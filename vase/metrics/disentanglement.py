@@ -1,4 +1,4 @@
-"""Disentanglement metrics from ground-truth factors: MIG and DCI (spec §9, sprites).
+"""Disentanglement metrics from ground-truth factors: MIG and DCI (docs/usage.md, data, sprites).
 
 Pure functions of ``(factors, codes, rng)`` returning dicts, in the style of disentanglement_lib:
 they never touch a model, so the identity, constant, duplicated and mixed "representations" of the

@@ -186,7 +186,7 @@ def ambiguity_figure(result, strip: np.ndarray) -> np.ndarray:
 
     ``strip`` (H, W) in [0, 1] holds one interpolated pair and its reconstructions under both
     slots. Then q(s=A|x) per ambiguous example against the weight of B; the batch-averaged q(s=A)
-    that decides the slot (spec §2) per context, with its switch points; and mu ± sigma of the
+    that decides the slot (docs/method.md, networks) per context, with its switch points; and mu ± sigma of the
     latents only one of the two slots uses (red: A's, blue: B's), the paper's uncertainty reading.
     """
     w = np.asarray(result.weights)
