@@ -97,7 +97,7 @@ def test_the_train_arguments_of_a_cell_build_exactly_its_config(tmp_path, monkey
     captured = {}
 
     class Capture:
-        def __init__(self, cfg, path, progress=True):
+        def __init__(self, cfg, path, progress=True, device="cpu"):
             captured["cfg"] = cfg
             raise VaseError("captured")
 
@@ -466,3 +466,36 @@ def test_stopping_runs_interrupts_them_all_at_once_and_kills_the_deaf_after_one_
     # One grace period in all: the second deaf run is not given a second full second of its own.
     budgets = [w for w in waits if w is not None]
     assert budgets[0] <= 1.0 and budgets[1] <= 0.05 and budgets[2] <= 0.05
+
+
+# A stand-in run that records the GPU it was given and how many runs held that GPU at once.
+SEAT_RECORDER = r"""
+import os, sys, time
+gpu, out = os.environ.get("CUDA_VISIBLE_DEVICES", "none"), sys.argv[-1]
+lock = os.path.join(os.path.dirname(out), f"gpu{gpu}.{os.getpid()}")
+open(lock, "w").close()
+time.sleep(0.3)
+peers = len([f for f in os.listdir(os.path.dirname(out)) if f.startswith(f"gpu{gpu}.")])
+os.remove(lock)
+open(out, "w").write(f"{gpu} {peers}")
+"""
+
+
+def test_gpu_seats_give_each_run_one_gpu_and_share_each_gpu_by_runs_per_gpu(tmp_path):
+    jobs = [Job(f"r{i}", [str(tmp_path / f"r{i}.txt")], str(tmp_path / f"r{i}"), str(tmp_path / f"r{i}.log"))
+            for i in range(8)]
+    backend = LocalBackend(1, command=[sys.executable, "-c", SEAT_RECORDER], gpus=2, runs_per_gpu=2)
+    assert backend.workers == 4
+    done = []
+    backend.run(jobs, lambda job, outcome: done.append(outcome.ok))
+    seats = [(tmp_path / f"r{i}.txt").read_text().split() for i in range(8)]
+    assert all(done) and len(done) == 8
+    assert {gpu for gpu, _ in seats} == {"0", "1"}
+    assert max(int(peers) for _, peers in seats) <= 2
+
+
+def test_grid_gpus_sets_each_runs_device_to_cuda(tmp_path):
+    result = CliRunner().invoke(main, ["grid", "--gpus", "1", "--runs-per-gpu", "3", "--rows", "SDA", "--seeds", "0",
+                                       "--modes", "disentangled", "--root", str(tmp_path), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "--device cuda" in result.output
