@@ -21,6 +21,7 @@ class Cfg:  # the fields of vase.config.ProbeConfig that the suite reads
     train_size: int = 150
     test_size: int = 100
     seed: int = 7
+    reading: str = "mean"
 
 
 class FakeEnv:
@@ -212,3 +213,37 @@ def test_repeated_environment_names_are_disambiguated():
     values = ProbeSuite(envs, Cfg()).evaluate(oracle, step=0)
     assert sorted(values) == ["object_id/a#0", "object_id/a#2", "position_mse/a#0", "position_mse/a#2"]
     assert all(not math.isnan(v) for v in values.values())
+
+
+def test_the_papers_reading_samples_the_masked_posterior_under_the_inferred_slot():
+    """z = mu + sigma * eps on the slot's unmasked latents and pure prior noise on its masked ones,
+    with the same draws for the same seed."""
+    from vase.config import build_config
+    from vase.evaluation import FrozenEncoder
+    from vase.learner import Learner
+    from vase.probing import PosteriorSamples
+
+    cfg = build_config("cpu", ["model.channels=8,8,8,8", "model.hidden=32", "model.latents=6", "model.k_max=4",
+                               "train.batch_size=16", "dream.batch_size=8"], "SDA")
+    learner = Learner(cfg)
+    x = (torch.rand(16, 1, 64, 64, generator=torch.Generator().manual_seed(0)) < 0.1).float()
+    learner.training_step(x)  # allocates slot 0
+    learner.masks.masks[0] = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 1.0])
+    encoder = FrozenEncoder(cfg.model).load(learner.model.encoder.state_dict())
+    z = PosteriorSamples(encoder, learner, seed=7)(x)
+    eps = torch.randn(z.shape, generator=torch.Generator().manual_seed(7))
+    post = encoder.posterior(x)
+    keep = learner.masks.masks[0].bool()
+    assert torch.allclose(z[:, keep], (post.mu + (0.5 * post.logvar).exp() * eps)[:, keep])
+    assert torch.equal(z[:, ~keep], eps[:, ~keep])
+    assert torch.equal(z, PosteriorSamples(encoder, learner, seed=7)(x))
+
+
+def test_eval_refuses_to_recompute_the_sampled_reading(tmp_path):
+    from vase.config import build_config
+    from vase.errors import VaseError
+    from vase.evaluation import evaluate_run
+
+    (tmp_path / "config.json").write_text(build_config("cpu", ["probe.reading=sample"]).to_json())
+    with pytest.raises(VaseError, match="probe.reading=sample"):
+        evaluate_run(tmp_path)

@@ -206,6 +206,10 @@ class ProbeConfig:
     train_size: int = 2000
     test_size: int = 1000
     seed: int = 1234
+    # What the probes read (docs/probes.md): "mean", mu(x) of every latent [ours]; or "sample", the
+    # paper's reading: z drawn from the masked posterior (eq. 2) under the slot the classifier
+    # picks, masked latents as prior noise.
+    reading: str = "mean"
 
 
 @dataclass
@@ -346,6 +350,8 @@ class Config:
                 errs.append(f"train.{name} must be at least 1")
         if self.probe.every < 1 or self.probe.train_size < 2 or self.probe.test_size < 1:
             errs.append("probe.every, probe.train_size and probe.test_size must be positive")
+        if self.probe.reading not in ("mean", "sample"):
+            errs.append(f"probe.reading must be 'mean' or 'sample', got {self.probe.reading!r}")
         if not self.data.env_names():
             errs.append("data.sequence is empty")
         try:

@@ -102,6 +102,11 @@ def disentanglement_scores(envs: list, encode, stage: int, seed: int) -> dict:
 def evaluate_run(run_dir: Path, progress: bool = False, device: torch.device | str = "cpu") -> dict:
     """Recompute probes and metrics of a finished (or partial) run from its saved encoders."""
     cfg: Config = load_run_config(run_dir)
+    if cfg.probe.reading == "sample":
+        raise VaseError(
+            f"{run_dir} read its probes from posterior samples under the inferred slot (probe.reading=sample); "
+            "they need the masks and the classifier of each probe point, which only the run itself had, so "
+            "`vase eval` cannot recompute them: its results.json holds them")
     results_path = Path(run_dir) / "results.json"
     stored = json.loads(results_path.read_text()) if results_path.exists() else {}
     files = sorted((Path(run_dir) / "checkpoints" / ENCODER_DIR).glob("step-*.pt"))

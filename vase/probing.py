@@ -38,6 +38,7 @@ from vase.metrics.continual import (
     table1_stats,
 )
 from vase.metrics.probes import object_id_accuracy, position_mse
+from vase.objective import masked_sample
 
 # Images per encoder call: bounds peak memory of a probe pass (spec: chunks of 512).
 ENCODE_CHUNK = 512
@@ -73,6 +74,24 @@ def encode_indices(env, indices: np.ndarray, encode: Encode, chunk: int = ENCODE
                 mu = mu.detach().cpu().numpy()
             parts.append(np.asarray(mu, dtype=np.float64).reshape(len(idx), -1))
     return np.concatenate(parts, axis=0)
+
+
+class PosteriorSamples:
+    """The paper's probe reading: codes z drawn from the masked posterior of eq. 2 under the slot
+    the classifier picks for each chunk of images (as `Learner.infer_slot` decides), masked latents
+    as prior noise. The noise comes from a generator seeded afresh for every evaluation, so the
+    same encoder, masks and classifier give the same codes."""
+
+    def __init__(self, encoder, learner, seed: int):
+        self.encoder, self.learner = encoder, learner
+        self.generator = torch.Generator(device=learner.device).manual_seed(seed)
+
+    @torch.no_grad()
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        post = self.encoder.posterior(x)
+        mask = self.learner.masks.mask(self.learner.infer_slot(x))
+        noise = torch.randn(post.mu.shape, generator=self.generator, device=post.mu.device)
+        return masked_sample(post.mu, post.logvar, mask, noise)
 
 
 @contextmanager
@@ -199,6 +218,7 @@ class ProbeSuite:
         matrices = {kind: probe_matrix(curves, ends, kind) for kind in KINDS}
         return _json_safe(
             {
+                "reading": self.cfg.reading,
                 "env_names": self.names,
                 "probes": self.probes,
                 "history": [{"step": step, "values": values} for step, values in self.history],

@@ -117,6 +117,14 @@ def load_results(run_dirs: list[Path]) -> list[dict]:
     return out
 
 
+READINGS = {"mean": "μ(x)", "sample": "posterior samples under the inferred slot"}
+
+
+def _reading(result: dict) -> str:
+    """What the run's probes read: "mean" (mu of every latent) or "sample" (the paper's reading)."""
+    return (result.get("probes") or {}).get("reading", "mean")
+
+
 def row_label(result: dict) -> str:
     """A Table 1 row's name: the ablation, and the rule set where inference runs with another than
     the default (`inference.rules`, docs/method.md)."""
@@ -132,10 +140,11 @@ def table1_rows(results: list[dict]) -> list[dict]:
 
     groups: dict[tuple, list[dict]] = {}
     for r in results:
-        key = (r["mode"], row_label(r), ",".join(r["sequence"]), r.get("preset"), str(r.get("steps_per_env")))
+        key = (r["mode"], row_label(r), ",".join(r["sequence"]), r.get("preset"), str(r.get("steps_per_env")),
+               _reading(r))
         groups.setdefault(key, []).append(r)
     rows = []
-    for (mode, ablation, sequence, _, _), runs in groups.items():
+    for (mode, ablation, sequence, _, _, reading), runs in groups.items():
         mean, std = mean_std_over_seeds([r["probes"]["table1"] for r in runs])
         rows.append({
             "mode": mode, "ablation": ablation, "sequence": sequence,
@@ -145,6 +154,7 @@ def table1_rows(results: list[dict]) -> list[dict]:
             "latents_used": [_count(latent_union(r.get("latent_use") or [], "used_in_training")) for r in runs],
             "latents_informative": [_count(latent_union(r.get("latent_use") or [], "informative")) for r in runs],
             "preset": [r.get("preset") for r in runs],
+            "reading": reading,
             "steps_per_env": [r.get("steps_per_env") for r in runs],
             "heldout": _heldout_over_seeds([heldout_retention(r) for r in runs]),
         })
@@ -263,8 +273,8 @@ def _groups(rows: list[dict]) -> list[tuple[str, str, list[dict]]]:
     from vase.grid import TABLE1_ROWS
 
     order = {name: i for i, name in enumerate(TABLE1_ROWS)}
-    def key(row):  # one table per objective, sequence and length: other lengths are other experiments
-        return row["mode"], row["sequence"], str(row["steps_per_env"][0])
+    def key(row):  # one table per objective, sequence, length and probe reading: each another experiment
+        return row["mode"], row["sequence"], str(row["steps_per_env"][0]), row.get("reading", "mean")
 
     keys = sorted({key(row) for row in rows})
     return [(k[0], k[1], sorted((r for r in rows if key(r) == k),
@@ -284,8 +294,10 @@ def _settings(group: list[dict]) -> str:
     presets = sorted({p for row in group for p in row["preset"] if p})
     steps = sorted({str(s[0]) if len(set(s)) == 1 else ",".join(map(str, s))
                     for row in group for s in row["steps_per_env"] if s})
+    readings = sorted({row.get("reading", "mean") for row in group})
     parts = ([f"preset {', '.join(presets)}"] if presets else []) + (
-        [f"steps per environment {'; '.join(steps)}"] if steps else [])
+        [f"steps per environment {'; '.join(steps)}"] if steps else []) + (
+        ["probes read " + " and ".join(READINGS[r] for r in readings)])
     return ", ".join(parts)
 
 

@@ -31,7 +31,7 @@ from vase.evaluation import (
 from vase.learner import Learner, StepOutput
 from vase.masking import atypicality, information
 from vase.objective import kl_per_latent
-from vase.probing import ProbeSuite
+from vase.probing import PosteriorSamples, ProbeSuite
 from vase.stream import Stream
 from vase.visualize import mask_image, reconstruction_grid, traversal_grid
 
@@ -316,7 +316,10 @@ class Trainer:
         # The encoder at every probe point is kept, so `vase eval` can recompute these exact numbers.
         weights = self.learner.model.encoder.state_dict()
         save_weights(encoder_path(self.run_dir, step), weights)
-        values = self.probes.evaluate(self.frozen_encoder.load(weights), step)
+        encode = self.frozen_encoder.load(weights)
+        if self.cfg.probe.reading == "sample":
+            encode = PosteriorSamples(encode, self.learner, self.cfg.probe.seed + step)
+        values = self.probes.evaluate(encode, step)
         for name, value in values.items():
             self.writer.add_scalar(f"probe/{name}", value, step)
         if finished_env is not None:
