@@ -472,6 +472,16 @@ def option_overrides(sequence: str | None = None, steps: str | None = None, enta
     return sets
 
 
+# Settings added after runs were made whose default is not what those runs did: a config.json
+# without the field gets the value its run trained with. (A new field whose default reproduces the
+# old behaviour needs no entry: the dataclass default fills it.)
+MIGRATIONS = {
+    "model.weight_grad_kernel": "onednn",  # oneDNN computed the weight gradients before the kernel
+    "objective.new_env_ramp_steps": 0,  # every environment met C(t) at once
+    "objective.fresh_aggregate_weight": 0.0,  # no fresh-latent penalty
+}
+
+
 def load_run_config(run_dir: Path) -> Config:
     """The resolved config a run was started with (its config.json)."""
     path = Path(run_dir) / "config.json"
@@ -486,13 +496,8 @@ def load_run_config(run_dir: Path) -> Config:
             f"{run_dir} was written with config version {d.get('version')}; this vase reads version "
             f"{CONFIG_VERSION}, so the run cannot be resumed or evaluated by this code"
         )
-    # Runs written before model.weight_grad_kernel existed were trained with oneDNN's gradients;
-    # they resume with them (on machines where the two routes differ in the last bits, it matters).
-    if isinstance(d.get("model"), dict):
-        d["model"].setdefault("weight_grad_kernel", "onednn")
-    # Runs written before objective.new_env_ramp_steps existed gave every environment C(t) at once,
-    # and runs from before objective.fresh_aggregate_weight had no fresh-latent penalty.
-    if isinstance(d.get("objective"), dict):
-        d["objective"].setdefault("new_env_ramp_steps", 0)
-        d["objective"].setdefault("fresh_aggregate_weight", 0.0)
+    for path, value in MIGRATIONS.items():
+        section, key = path.split(".")
+        if isinstance(d.get(section), dict):
+            d[section].setdefault(key, value)
     return Config.from_dict(d).validate()

@@ -40,6 +40,21 @@ FUSED_ADAM = True
 
 
 @dataclass
+class Encoded:
+    """One encoder pass over the real batch and the dreams, and what eq. 4-6 read from the batch."""
+
+    x: torch.Tensor  # the real batch
+    posterior: Posterior  # q_phi(z|x) of [x; x'] (real batch, then dreams)
+    real: Posterior  # the real batch's rows
+    alpha: torch.Tensor  # eq. 4 on x, per latent
+    kl: torch.Tensor  # mean KL per latent on x
+    usage: torch.Tensor  # latent use as the rule set reads it (information or KL)
+    noise: torch.Tensor  # the reparameterisation's eps (eq. 2)
+    class_logits: torch.Tensor | None  # q_psi on [x; x'], with S
+    decoded: dict = field(default_factory=dict)  # env -> (batch logits, dream logits, NLL per image)
+
+
+@dataclass
 class StepOutput:
     """What one step measured, for logging (plain floats and small CPU tensors)."""
 
@@ -130,102 +145,128 @@ class Learner:
 
     # -- one step --------------------------------------------------------------------------------------
     def training_step(self, x: torch.Tensor) -> StepOutput:
-        cfg, t, batch = self.cfg, self.step, x.shape[0]
-        dreams = self.dream()  # D: imagined past data, no autograd through the snapshot
-        # One encoder pass serves the real batch and the dreams.
+        """One step of eq. 8: dream, encode, infer the environment, the MDL term on the batch (eq. 3),
+        the dreaming term on the dreams (eq. 7), update, and the bookkeeping of eq. 5-6."""
+        t = self.step
+        dreams = self.dream()  # D: x' ~ p_theta'(x | z, s') of past environments s'
+        enc = self.encode(x, dreams)  # one encoder pass over [x; x'], and eq. 4 on x
+        decision = self.infer_environment(enc, dreams)  # S: eq. 6
+        s = decision.env
+        mask, maskable = self.enter(decision, enc.alpha)  # A: a^s, as it stands before this batch
+        real_logits, dream_logits, recon = self.reconstruct(enc, s, dreams)
+        losses, target = self.mdl_term(enc, decision, mask, maskable, recon)  # eq. 3 with eq. 2
+        losses.update(self.dreaming_term(enc, dreams, dream_logits))  # eq. 7
+        losses["total"] = self.total(losses)
+        values = self.update(losses, enc, s, dreams)
+        if decision.verdict != "pending":  # a doubtful batch trains but does not move the statistics
+            self.bookkeeping(s, enc, mask, maskable, recon)
+        if self.cfg.dream.enabled and (t + 1) % self.cfg.dream.snapshot_every == 0:
+            self.snapshot.sync(self.model)  # every tau steps (paper §3.5)
+        self.step += 1
+        return StepOutput(step=t, decision=decision, losses=values, kl_per_latent=enc.kl, alpha=enc.alpha,
+                          mask=mask, extra={"capacity": target})
+
+    # -- the phases of a step ------------------------------------------------------------------------
+    def encode(self, x: torch.Tensor, dreams: Dreams | None) -> Encoded:
+        """q_phi(z|x) of the batch and the dreams in one pass, what eq. 4-6 read from the batch, the
+        reparameterisation noise, and q_psi's logits."""
+        batch = x.shape[0]
         inputs = x if dreams is None else torch.cat([x, dreams.x])
         with self.autocast():
             posterior = Posterior(*(p.float() for p in self.model.encoder(inputs)))
         real = Posterior(*(p[:batch] for p in posterior))
         with torch.no_grad():
             alpha = atypicality(real.mu, real.logvar)  # eq. 4
-            kl_batch = kl_per_latent(real.mu, real.logvar).mean(0)
-            # Latent usage for eq. 5-6, as the rule set reads it (information or KL).
-            info_batch = self.inference.reading(kl_batch, alpha)
+            kl = kl_per_latent(real.mu, real.logvar).mean(0)
+            usage = self.inference.reading(kl, alpha)  # latent use as the rule set reads it
         noise = torch.randn(real.mu.shape, generator=self.generator, device=self.device)
-        class_logits = self.classifier(posterior.hidden) if cfg.inference.enabled else None
+        logits = self.classifier(posterior.hidden) if self.cfg.inference.enabled else None
+        return Encoded(x, posterior, real, alpha, kl, usage, noise, logits)
 
-        decoded: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    def reconstruct(self, enc: Encoded, env: int, dreams: Dreams | None):
+        """(batch logits, dream logits, -log p(x|z^env, env) per image), decoded once per env."""
+        if env not in enc.decoded:
+            real_logits, dream_logits = self.decode(enc.posterior, enc.noise, env, dreams)
+            enc.decoded[env] = (real_logits, dream_logits, reconstruction_nll(real_logits, enc.x))
+        return enc.decoded[env]
 
-        def reconstruct(env: int):
-            if env not in decoded:
-                real_logits, dream_logits = self.decode(posterior, noise, env, dreams)
-                decoded[env] = (real_logits, dream_logits, reconstruction_nll(real_logits, x))
-            return decoded[env]
+    def infer_environment(self, enc: Encoded, dreams: Dreams | None) -> Decision:
+        """S on: eq. 6 (`inference.rules` chooses the rule set). S off: one environment, 0."""
+        t = self.step
+        if self.cfg.inference.enabled:
+            probs = F.softmax(enc.class_logits[: enc.x.shape[0]].detach(), dim=1).mean(0)
+            error = lambda env: float(self.reconstruct(enc, env, dreams)[2].detach().mean())  # noqa: E731
+            return self.inference.infer(t, probs, enc.alpha, enc.usage, self.masks, error)
+        if self.inference.n_envs == 0:
+            return self.inference.infer(t, torch.ones(1, device=self.device), enc.alpha, enc.usage, self.masks,
+                                        lambda env: 0.0)
+        return Decision(t, 0, 0, "same")
 
-        # S: which environment is this batch from (eq. 6)?
-        if cfg.inference.enabled:
-            probs = F.softmax(class_logits[:batch].detach(), dim=1).mean(0)
-            decision = self.inference.infer(
-                t, probs, alpha, info_batch, self.masks, lambda env: float(reconstruct(env)[2].detach().mean())
-            )
-        else:
-            decision = (
-                self.inference.infer(
-                    t, torch.ones(1, device=self.device), alpha, info_batch, self.masks, lambda env: 0.0
-                )
-                if self.inference.n_envs == 0
-                else Decision(t, 0, 0, "same")
-            )
+    def enter(self, decision: Decision, alpha: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mask a^s this batch trains under, and the latents a^s may switch off: any (eq. 5, the
+        paper rules); other slots' latents with S and the vase rules; learnt ones with one slot
+        [ours, docs/method.md]. A new environment starts its mask from this batch, and the snapshot
+        is synced, so the old environments are dreamt by the model that knew them [ours]."""
         s = decision.env
-        # Which latents a^s may switch off: any (eq. 5, the paper rules); other slots' latents with S
-        # and the vase rules, learnt ones with one slot [ours, docs/method.md].
-        maskable = self.masks.learnt[s].clone() if not cfg.inference.enabled and cfg.inference.rules == "vase" \
-            else self.inference.maskable(s)
+        single_slot = not self.cfg.inference.enabled and self.cfg.inference.rules == "vase"
+        maskable = self.masks.learnt[s].clone() if single_slot else self.inference.maskable(s)
         if decision.allocated:
             self.masks.start(s, alpha, maskable)
-            self.snapshot.sync(self.model)  # [ours]: dreams of the old environments from the model that knew them
-        mask = self.masks.mask(s).clone()  # A: a^s (all ones when A is off), before this batch updates it
-        real_logits, dream_logits, recon = reconstruct(s)
+            self.snapshot.sync(self.model)
+        return self.masks.mask(s).clone(), maskable  # all ones when A is off
 
-        # MDL on current data (eq. 3) with the masked posterior (eq. 2).
-        kl = masked_kl(real.mu, real.logvar, mask)
+    def mdl_term(self, enc: Encoded, decision: Decision, mask: torch.Tensor, maskable: torch.Tensor,
+                 recon: torch.Tensor) -> tuple[dict[str, torch.Tensor], float]:
+        """Eq. 3 on the batch with the masked posterior of eq. 2, and the capacity target C."""
+        s, t = decision.env, self.step
+        kl = masked_kl(enc.real.mu, enc.real.logvar, mask)
         if decision.verdict == "new":  # the first environment is C(t)'s own
             self.capacity_starts[s] = (t, float(kl.detach().mean()))
         target = environment_capacity(t, self.capacity_starts.get(s), self.objective)
-        atypical, fresh_atypical = self.aggregate_shift(real, mask, maskable, s)
-        loss_mdl = mdl_loss(recon, kl, target, self.objective, atypical, fresh_atypical)
-        losses = {"reconstruction": recon.mean(), "kl": kl.mean(), "mdl": loss_mdl}
-        loss = loss_mdl
-        # Dreaming feedback on past data (eq. 7).
-        if dreams is not None:
-            dream_posterior = Posterior(*(p[batch:] for p in posterior))
-            losses["dream_encoder"] = encoder_proximity(dream_posterior, dreams.posterior)
-            loss = loss + cfg.dream.encoder_weight * losses["dream_encoder"]
-            if cfg.dream.decoder_term:  # dropped in the SD-[41] variant
-                losses["dream_decoder"] = decoder_proximity(dream_logits, dreams.logits)
-                loss = loss + cfg.dream.decoder_weight * losses["dream_decoder"]
-        losses["total"] = loss
-        if cfg.inference.enabled:  # q_psi reads the encoder's features detached, so its update is separate
-            losses["classifier"] = self._train_classifier(class_logits, s, batch, dreams)
+        atypical, fresh_atypical = self.aggregate_shift(enc.real, mask, maskable, s)
+        loss = mdl_loss(recon, kl, target, self.objective, atypical, fresh_atypical)
+        return {"reconstruction": recon.mean(), "kl": kl.mean(), "mdl": loss}, target
 
+    def dreaming_term(self, enc: Encoded, dreams: Dreams | None, dream_logits: torch.Tensor) -> dict:
+        """Eq. 7 on the dreams: the encoder's W2 to the snapshot and (not in SD-[41]) the decoder's KL."""
+        if dreams is None:
+            return {}
+        batch = enc.x.shape[0]
+        terms = {"dream_encoder": encoder_proximity(Posterior(*(p[batch:] for p in enc.posterior)), dreams.posterior)}
+        if self.cfg.dream.decoder_term:
+            terms["dream_decoder"] = decoder_proximity(dream_logits, dreams.logits)
+        return terms
+
+    def total(self, losses: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Eq. 8: the MDL term plus the weighted dreaming terms."""
+        loss = losses["mdl"]
+        if "dream_encoder" in losses:
+            loss = loss + self.cfg.dream.encoder_weight * losses["dream_encoder"]
+        if "dream_decoder" in losses:
+            loss = loss + self.cfg.dream.decoder_weight * losses["dream_decoder"]
+        return loss
+
+    def update(self, losses: dict[str, torch.Tensor], enc: Encoded, env: int, dreams: Dreams | None) -> dict:
+        """q_psi's step (on detached features, so separate), then the model's, after one host read of
+        every loss term and the gradient norm (the NaN check and the logs)."""
+        if self.cfg.inference.enabled:
+            losses["classifier"] = self._train_classifier(enc.class_logits, env, enc.x.shape[0], dreams)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        # One host read per step: every loss term and the gradient norm, for the checks and the logs.
+        losses["total"].backward()
         readings = torch.stack([*(v.detach() for v in losses.values()), self._gradient_norm()]).tolist()
         values = dict(zip(losses, readings))
         self._check_finite(values, readings[-1])
         self.optimizer.step()
+        return values
 
-        # Bookkeeping of eq. 5 and eq. 6 for the environment just trained (not on a doubtful batch).
-        if decision.verdict != "pending":
-            # Masked latents are prior noise (eq. 2): they carry nothing for this environment.
-            self.inference.record(s, recon.detach().mean(), torch.where(mask.bool(), info_batch, 0.0))
-            used = None if cfg.inference.enabled else self.inference.used(s)  # the single-slot rule's record
-            if cfg.mask.enabled and not torch.equal(self.masks.update(s, alpha, maskable, used), mask):
-                self.inference.resettle(s, t)  # L_s was measured under the old mask
-        if cfg.dream.enabled and (t + 1) % cfg.dream.snapshot_every == 0:
-            self.snapshot.sync(self.model)  # every tau steps (paper §3.5)
-        self.step += 1
-        return StepOutput(
-            step=t,
-            decision=decision,
-            losses=values,
-            kl_per_latent=kl_batch,
-            alpha=alpha,
-            mask=mask,
-            extra={"capacity": target},
-        )
+    def bookkeeping(self, s: int, enc: Encoded, mask: torch.Tensor, maskable: torch.Tensor,
+                    recon: torch.Tensor) -> None:
+        """Eq. 6's running error L_s and latent use of s (masked latents are prior noise, eq. 2, and
+        carry nothing for s), then eq. 5's mask; a changed mask re-opens s's settling period."""
+        self.inference.record(s, recon.detach().mean(), torch.where(mask.bool(), enc.usage, 0.0))
+        used = None if self.cfg.inference.enabled else self.inference.used(s)  # the single-slot rule's record
+        if self.cfg.mask.enabled and not torch.equal(self.masks.update(s, enc.alpha, maskable, used), mask):
+            self.inference.resettle(s, self.step)  # L_s was measured under the old mask
 
     def _train_classifier(self, logits: torch.Tensor, env: int, batch: int, dreams: Dreams | None) -> torch.Tensor:
         """q_psi: cross-entropy on the real batch (inferred label) and on dreams (their label)."""
