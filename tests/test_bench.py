@@ -9,16 +9,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from vase import networks
-from vase.bench import (
-    ModelCosts,
-    PassRecorder,
-    Spec,
-    layer_costs,
-    pass_flops,
-    prepare_environments,
-    reference_from,
-    run_bench,
-)
+from vase.bench import run_bench
+from vase.bench_flops import ModelCosts, PassRecorder, layer_costs, pass_flops
+from vase.bench_steps import Spec, prepare_environments, reference_from
 from vase.config import build_config
 from vase.learner import Learner
 from vase.networks import VAE, use_implementation
@@ -143,12 +136,13 @@ def test_parameters_and_state_dict_keys_are_unchanged():
 
 # -- run_bench with tiny settings -------------------------------------------------------------------------
 def test_run_bench_writes_the_json(tmp_path, monkeypatch):
-    import vase.bench
+    import vase.bench_flops
+    import vase.bench_steps
 
     # Tiny everything: this checks the plumbing and the JSON, not the machine.
-    monkeypatch.setattr(vase.bench, "WARMUP_STEPS", 1)
-    monkeypatch.setattr(vase.bench, "MATMUL_N", 256)
-    monkeypatch.setattr(vase.bench, "CONV_SHAPE", (2, 16, 8, 8))
+    monkeypatch.setattr(vase.bench_steps, "WARMUP_STEPS", 1)
+    monkeypatch.setattr(vase.bench_flops, "MATMUL_N", 256)
+    monkeypatch.setattr(vase.bench_flops, "CONV_SHAPE", (2, 16, 8, 8))
     p = "cpu"
     tiny = ("model.channels=8,8,8,8", "model.hidden=32", "train.batch_size=8", "dream.batch_size=4")
     specs = {p: [

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from vase.bench import SYNTHETIC_IMAGES, ReferenceStep, SyntheticEnvironment, prepare_environments
+from vase.bench_steps import SYNTHETIC_IMAGES, ReferenceStep, SyntheticEnvironment, prepare_environments
 from vase.config import build_config
 from vase.device import describe
 from vase.learner import Learner
