@@ -238,7 +238,8 @@ def table(run_dirs, as_json, markdown, output, readme):
               help="Ambiguity: the two environments to interpolate (default: the first two of the sequence).")
 @click.option("--data-root", type=click.Path(file_okay=False), default=None,
               help="Data root, if the run's data has moved.")
-def inspect(run_dir, pictures, step, used_only, image, source, envs, data_root):
+@_device_option()
+def inspect(run_dir, pictures, step, used_only, image, source, envs, data_root, device):
     """Write the paper's pictures of a run as PNG (and GIF) files into RUN_DIR/inspect.
 
     PICTURES: any of traversals, cross_domain, latent_use, atypicality, probes,
@@ -250,7 +251,7 @@ def inspect(run_dir, pictures, step, used_only, image, source, envs, data_root):
     try:
         if pair is not None and len(pair) != 2:
             raise VaseError(f"--envs takes two environments, A,B; got {envs!r}")
-        options = InspectOptions(step, used_only, image, source, pair, data_root)
+        options = InspectOptions(step, used_only, image, source, pair, data_root, str(_resolve_device(device)))
         paths = inspect_run(Path(run_dir), pictures, options, echo=click.echo)
     except VaseError as e:
         _fail(e)

@@ -37,6 +37,7 @@ class InspectOptions:
     source: str | None = None  # cross-domain: one environment's images (default: every environment's seed)
     envs: tuple[str, str] | None = None  # ambiguity: A and B (default: the first two of the sequence)
     data_root: str | None = None
+    device: str = "cpu"  # where the model runs (the pictures are made on the host)
 
 
 def parse_pictures(names: tuple[str, ...] | list[str]) -> list[str]:
@@ -46,7 +47,7 @@ def parse_pictures(names: tuple[str, ...] | list[str]) -> list[str]:
     return [p for p in PICTURES if p in names] if names else list(PICTURES)
 
 
-def open_run(run_dir: Path, step: int | None = None, data_root: str | None = None):
+def open_run(run_dir: Path, step: int | None = None, data_root: str | None = None, device: str = "cpu"):
     """The run's Trainer in the state of its checkpoint of `step` (default: the newest); on disk,
     nothing changes (no resume: later encoders and events stay)."""
     from vase.trainer import Trainer
@@ -61,7 +62,7 @@ def open_run(run_dir: Path, step: int | None = None, data_root: str | None = Non
         raise VaseError(f"{run_dir} has no checkpoint yet: a run writes its first at a boundary or after "
                         f"train.checkpoint_every ({cfg.train.checkpoint_every}) steps")
     state, _ = load_checkpoint(run_dir, step)  # before the data loads: a bad step fails at once
-    trainer = Trainer(cfg, run_dir, progress=False)
+    trainer = Trainer(cfg, run_dir, progress=False, device=device)
     trainer.load_state_dict(state)
     return trainer
 
@@ -73,7 +74,7 @@ def inspect_run(run_dir: Path, names: tuple[str, ...], options: InspectOptions, 
     skipped with a note, so the others are still written.
     """
     pictures = parse_pictures(names)
-    trainer = open_run(run_dir, options.step, options.data_root)
+    trainer = open_run(run_dir, options.step, options.data_root, options.device)
     source = _env_index(trainer, options.source) if options.source else None
     out = Path(run_dir) / INSPECT_DIR
     out.mkdir(exist_ok=True)
