@@ -95,7 +95,7 @@ class ObjectiveConfig:
     gamma: float = 100.0  # [appendix, quoted elsewhere]; Burgess et al. use 1000 (absolute form)
     # The capacity term: "squared", gamma |KL - C|^2 as eq. 8 and the poster write it, or
     # "absolute", gamma |KL - C| as Burgess et al. (CCI-VAE) [paper; choice: docs/method.md].
-    capacity_form: str = "absolute"
+    capacity_form: str = "squared"
     capacity_max: float = 25.0  # nats [related]
     # Linear ramp of C(t) over the global step (a pure function of the step) [ours].
     capacity_ramp_steps: int = 3000
@@ -479,6 +479,7 @@ MIGRATIONS = {
     "model.weight_grad_kernel": "onednn",  # oneDNN computed the weight gradients before the kernel
     "objective.new_env_ramp_steps": 0,  # every environment met C(t) at once
     "objective.fresh_aggregate_weight": 0.0,  # no fresh-latent penalty
+    "objective.capacity_form": "absolute",  # the CCI-VAE's |KL - C|
 }
 
 

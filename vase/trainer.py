@@ -438,6 +438,7 @@ class Trainer:
         out = {
             "ablation": self.cfg.ablation(),
             "rules": self.cfg.inference.rules,
+            "capacity_form": self.cfg.objective.capacity_form,
             "mode": self.cfg.objective.mode,
             "preset": self.cfg.preset,
             "sequence": self.cfg.data.env_names(),
