@@ -282,3 +282,38 @@ def test_cross_domain_panel_decodes_the_same_latents_under_every_slot():
         mu[:, 2] = 0.0
         unmasked = torch.sigmoid(lrn.model.decoder(mu, torch.ones(3, dtype=torch.long)))
     torch.testing.assert_close(panel[:, 2], unmasked)
+
+
+def _with_a_past_environment(extra=()):
+    """A learner training environment 1 after environment 0, which used latent 0 (and 1 did not)."""
+    lrn = learner("SDA", ["inference.patience=1", "inference.cooldown=0", *extra])
+    x = squares(16, torch.Generator().manual_seed(0), 0)
+    lrn.training_step(x)
+    lrn.inference.n_envs, lrn.inference.current = 2, 1
+    lrn.inference.usage[0] = torch.tensor([2.0, 0, 0, 0, 0, 0])
+    lrn.inference.recorded[:2] = True
+    return lrn, x
+
+
+def test_imagination_is_off_by_default_and_reads_no_random_numbers():
+    lrn, x = _with_a_past_environment()
+    assert lrn.transferable_latents(1) is None
+    assert "imagination" not in lrn.training_step(x).losses
+
+
+def test_imagination_redraws_exactly_the_transferable_latents_and_trains_only_the_encoder():
+    lrn, x = _with_a_past_environment(["imagination.enabled=true", "imagination.batch_size=4"])
+    assert lrn.transferable_latents(1).tolist() == [True, False, False, False, False, False]
+    seen = []
+    decoder_forward = lrn.model.decoder.forward
+    lrn.model.decoder.forward = lambda z, env: seen.append(z.detach().clone()) or decoder_forward(z, env)
+    enc = lrn.encode(x, None)
+    term = lrn.imagination_term(enc, 1)["imagination"]
+    codes = seen[-1]
+    assert codes.shape == (4, 6)
+    assert torch.equal(codes[:, 1:], (enc.real.mu[:4] * lrn.masks.mask(1))[:, 1:].detach())
+    assert not torch.allclose(codes[:, 0], enc.real.mu[:4, 0].detach())  # redrawn from the prior
+    lrn.model.zero_grad(set_to_none=True)
+    term.backward()
+    assert all(p.grad is None for p in lrn.model.decoder.parameters())
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in lrn.model.encoder.parameters())

@@ -181,6 +181,15 @@ class DreamConfig:
 
 
 @dataclass
+class ImaginationConfig:
+    # Imagination-driven exploration (the paper's Fig. 5B; its appendix A.4 is unpublished, so the
+    # design is ours: docs/method.md, "Imagination"). Off in every Table 1 row.
+    enabled: bool = False
+    batch_size: int = 16  # imagined images per step, drawn from the current batch's codes
+    weight: float = 1.0  # of the encoder's consistency on them, in nats like eq. 7's encoder term
+
+
+@dataclass
 class TrainConfig:
     batch_size: int = 64
     lr: float = 5e-4  # Adam [related: Burgess et al.]
@@ -223,6 +232,7 @@ class Config:
     mask: MaskConfig = field(default_factory=MaskConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     dream: DreamConfig = field(default_factory=DreamConfig)
+    imagination: ImaginationConfig = field(default_factory=ImaginationConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
 
@@ -313,6 +323,8 @@ class Config:
             )
         if self.train.batch_size <= 0:
             errs.append("train.batch_size must be positive")
+        if self.imagination.batch_size <= 0 or self.imagination.weight < 0:
+            errs.append("imagination.batch_size must be positive and imagination.weight >= 0")
         if self.dream.batch_size <= 0:
             errs.append("dream.batch_size must be positive")
         if self.model.k_max < 1:

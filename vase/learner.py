@@ -156,6 +156,7 @@ class Learner:
         real_logits, dream_logits, recon = self.reconstruct(enc, s, dreams)
         losses, target = self.mdl_term(enc, decision, mask, maskable, recon)  # eq. 3 with eq. 2
         losses.update(self.dreaming_term(enc, dreams, dream_logits))  # eq. 7
+        losses.update(self.imagination_term(enc, s))  # Fig. 5B, off by default [ours]
         losses["total"] = self.total(losses)
         values = self.update(losses, enc, s, dreams)
         if decision.verdict != "pending":  # a doubtful batch trains but does not move the statistics
@@ -244,7 +245,43 @@ class Learner:
             loss = loss + self.cfg.dream.encoder_weight * losses["dream_encoder"]
         if "dream_decoder" in losses:
             loss = loss + self.cfg.dream.decoder_weight * losses["dream_decoder"]
+        if "imagination" in losses:
+            loss = loss + self.cfg.imagination.weight * losses["imagination"]
         return loss
+
+    def imagination_term(self, enc: Encoded, s: int) -> dict:
+        """Imagination-driven exploration (Fig. 5B) [ours, docs/method.md]: factors that past
+        environments use and s does not (position, while training on static MNIST after moving
+        Fashion) are imagined on the current data. The batch's codes under a^s get those latents
+        redrawn from the prior and are decoded under s (no gradient); the encoder must then read
+        the imagined images back into the codes they came from. So it learns to encode the current
+        objects with the transferred factor before it ever sees them vary."""
+        transfer = self.transferable_latents(s)
+        if transfer is None:
+            return {}
+        n = min(self.cfg.imagination.batch_size, enc.x.shape[0])
+        mask = self.masks.mask(s)
+        with torch.no_grad():
+            codes = enc.real.mu[:n] * mask
+            prior = torch.randn(codes.shape, generator=self.generator, device=self.device)
+            codes = torch.where(transfer, prior, codes)
+            envs = torch.full((n,), s, dtype=torch.long, device=self.device)
+            imagined = torch.sigmoid(self.model.decoder(codes, envs))
+        with self.autocast():
+            read = self.model.encoder(imagined).mu.float()
+        kept = (mask.bool() | transfer).to(read.dtype)
+        return {"imagination": ((read - codes).pow(2) * kept).sum(1).mean()}
+
+    def transferable_latents(self, s: int) -> torch.Tensor | None:
+        """Latents some past environment uses and s does not, or None (imagination off, no past
+        environment, or nothing to transfer)."""
+        if not (self.cfg.imagination.enabled and self.cfg.inference.enabled):
+            return None
+        past = self.inference.past_environments()
+        if not past:
+            return None
+        transfer = torch.stack([self.inference.used(p) for p in past]).any(0) & ~self.inference.used(s)
+        return transfer if bool(transfer.any()) else None
 
     def update(self, losses: dict[str, torch.Tensor], enc: Encoded, env: int, dreams: Dreams | None) -> dict:
         """q_psi's step (on detached features, so separate), then the model's, after one host read of
