@@ -49,7 +49,7 @@ def test_capacity_schedule_is_linear_then_flat():
 
 
 def test_a_new_environment_ramps_its_own_capacity_from_the_kl_it_carries():
-    cfg = ObjectiveConfig(capacity_max=25.0, capacity_ramp_steps=3000, new_env_ramp_steps=0)
+    cfg = ObjectiveConfig(capacity_max=25.0, capacity_ramp_steps=3000, new_env_ramp_steps=0, capacity_form="absolute")
     assert environment_capacity(4500, (4000, 2.0), cfg) == 25.0  # off: C(t), eq. 3 read literally
     cfg.new_env_ramp_steps = 1000
     assert environment_capacity(4000, (4000, 2.0), cfg) == 2.0
@@ -63,7 +63,7 @@ def test_a_new_environment_ramps_its_own_capacity_from_the_kl_it_carries():
 
 def test_mdl_loss_disentangled_and_entangled():
     recon, kl = torch.tensor([100.0, 200.0]), torch.tensor([10.0, 20.0])
-    cfg = ObjectiveConfig(gamma=2.0, capacity_max=25.0, capacity_ramp_steps=100)
+    cfg = ObjectiveConfig(gamma=2.0, capacity_max=25.0, capacity_ramp_steps=100, capacity_form="absolute")
     # step 40: C = 10; mean KL 15 -> 150 + 2 * |15 - 10|
     assert float(mdl_loss(recon, kl, capacity(40, cfg), cfg)) == pytest.approx(160.0)
     cfg.mode = "entangled"
@@ -72,7 +72,7 @@ def test_mdl_loss_disentangled_and_entangled():
 
 def test_aggregate_penalty_is_off_by_default_and_weighted_in_units_of_gamma():
     recon, kl = torch.tensor([100.0, 200.0]), torch.tensor([10.0, 20.0])
-    cfg = ObjectiveConfig(gamma=2.0, capacity_max=25.0, capacity_ramp_steps=100)
+    cfg = ObjectiveConfig(gamma=2.0, capacity_max=25.0, capacity_ramp_steps=100, capacity_form="absolute")
     atypical = torch.tensor(3.0)
     assert float(mdl_loss(recon, kl, capacity(40, cfg), cfg, atypical)) == pytest.approx(160.0)  # the paper's eq. 3
     cfg.aggregate_weight = 0.5
@@ -98,7 +98,9 @@ def test_aggregate_penalty_pulls_a_shifted_latent_back_and_leaves_an_informative
 
 def test_fresh_latent_penalty_is_weighted_in_units_of_gamma():
     recon, kl = torch.tensor([100.0, 200.0]), torch.tensor([10.0, 20.0])
-    cfg = ObjectiveConfig(gamma=2.0, capacity_max=25.0, capacity_ramp_steps=100, fresh_aggregate_weight=0.0)
+    cfg = ObjectiveConfig(
+        gamma=2.0, capacity_max=25.0, capacity_ramp_steps=100, fresh_aggregate_weight=0.0, capacity_form="absolute"
+    )
     fresh = torch.tensor(3.0)
     assert float(mdl_loss(recon, kl, capacity(40, cfg), cfg, fresh_atypical=fresh)) == pytest.approx(160.0)
     cfg.fresh_aggregate_weight = 0.5
@@ -117,7 +119,9 @@ def test_with_fresh_weight_1_capacity_filler_earns_nothing_and_information_still
     N(0, 1), alpha = 0) keeps eq. 3's push towards more KL."""
     from vase.masking import atypicality
 
-    cfg = ObjectiveConfig(gamma=100.0, capacity_max=25.0, capacity_ramp_steps=0, fresh_aggregate_weight=1.0)
+    cfg = ObjectiveConfig(
+        gamma=100.0, capacity_max=25.0, capacity_ramp_steps=0, fresh_aggregate_weight=1.0, capacity_form="absolute"
+    )
     mu = torch.tensor([[0.0, 0.8 ** 0.5], [0.0, -(0.8 ** 0.5)]] * 4, requires_grad=True)
     logvar = torch.full((8, 2), math.log(0.2), requires_grad=True)
     alpha = atypicality(mu, logvar)

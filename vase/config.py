@@ -108,8 +108,9 @@ class ObjectiveConfig:
     # first and only on its fresh latents (unmasked, and used by no other environment). Such a
     # slot, its known latents masked, meets C in fresh latents faster by narrowing or shifting
     # their posteriors alike for every image than by learning a factor: KL without information,
-    # which leaves them neither spare nor informative. With weight 1 that costs exactly what it
-    # earns on the capacity term, so C must be met with information; measured on the digits (most
+    # which leaves them neither spare nor informative. With weight 1 and the absolute capacity term
+    # that costs exactly what it earns there, so C must be met with information (the squared term
+    # pays 2 gamma |KL - C| per nat, so weight 1 cancels it only where |KL - C| = 1/2); measured on the digits (most
     # latents spare in 6 seeds of 10, against 4 with 0) and the sprites in docs/method.md.
     # 0 is eq. 3 alone, the release before.
     fresh_aggregate_weight: float = 1.0

@@ -127,11 +127,11 @@ def _reading(result: dict) -> str:
 
 def row_label(result: dict) -> str:
     """A Table 1 row's name: the ablation, the rule set where inference runs with another than the
-    default (`inference.rules`), and the capacity term where it is not eq. 8's square
-    (`objective.capacity_form`; runs from before the setting used the absolute value)."""
+    default (`inference.rules`), and the capacity term where results.json says it was the absolute
+    value rather than eq. 8's square (`objective.capacity_form`)."""
     rules = result.get("rules", "vase")
     notes = [f"{rules} rules"] if "S" in result["ablation"] and rules != "vase" else []
-    if result.get("mode") != "entangled" and result.get("capacity_form", "absolute") != "squared":
+    if result.get("mode") != "entangled" and result.get("capacity_form") == "absolute":
         notes.append("absolute capacity term")
     return result["ablation"] + (f" ({', '.join(notes)})" if notes else "")
 
