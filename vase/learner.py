@@ -1,10 +1,11 @@
 """The VASE learner: its whole state, and one training step that reads like eq. 8.
 
-    L(phi, theta) = E[-log p(x|z^s,s)] + gamma |KL(q(z^s|x) || p(z)) - C|     (MDL on current data, eq. 3)
+    L(phi, theta) = E[-log p(x|z^s,s)] + gamma |KL(q(z^s|x) || p(z)) - C|^2   (MDL on current data, eq. 3)
                   + E_{z,s',x'}[ W2(q_phi(z|x'), q_phi'(z|x')) + KL(p_theta'(x|z,s') || p_theta(x|z,s')) ]
                                                                                (dreaming, eq. 7)
 
-S, D and A are switches of the config; each is visible in `step` as one `if`.
+`training_step` runs the phases in that order; S is read in `infer_environment`, A in `enter`
+(a^s, all ones when off) and D in `dream` and `dreaming_term`.
 """
 from __future__ import annotations
 
