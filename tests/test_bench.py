@@ -8,13 +8,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from vase import networks
+from vase import conv_paths
 from vase.bench import run_bench
 from vase.bench_flops import ModelCosts, PassRecorder, layer_costs, pass_flops
 from vase.bench_steps import Spec, prepare_environments, reference_from
 from vase.config import build_config
+from vase.conv_paths import use_implementation
 from vase.learner import Learner
-from vase.networks import VAE, use_implementation
+from vase.networks import VAE
 
 
 # -- FLOP counting -------------------------------------------------------------------------------------
@@ -68,7 +69,7 @@ def test_recorded_passes_of_a_vase_step():
 @pytest.mark.parametrize("route", ["swapped", "nchw"])
 @pytest.mark.parametrize("preset", ["cpu", "paper"])
 def test_optimised_networks_match_a_plain_nchw_evaluation(preset, route, kernel, monkeypatch):
-    monkeypatch.setattr(networks, "TRANSPOSED_WEIGHT_GRAD", route)  # both weight-gradient routes of the deconvs
+    monkeypatch.setattr(conv_paths, "TRANSPOSED_WEIGHT_GRAD", route)  # both weight-gradient routes of the deconvs
     cfg = build_config(preset, [f"model.weight_grad_kernel={kernel}"])  # ours (where built) or oneDNN's
     torch.manual_seed(0)
     model = VAE(cfg.model)  # "fast" layers, channels_last parameters
@@ -109,11 +110,11 @@ def test_every_implementation_gives_the_same_outputs():
     model = VAE(cfg.model)
     x, z, env = torch.rand(4, 1, 64, 64), torch.randn(4, cfg.model.latents), torch.tensor([0, 1, 0, 1])
     outs = {}
-    for impl in networks.IMPLEMENTATIONS:
+    for impl in conv_paths.IMPLEMENTATIONS:
         m = use_implementation(copy.deepcopy(model), impl)
         with torch.no_grad():
             outs[impl] = (m.encoder(x).mu, m.decoder(z, env))
-    for impl in networks.IMPLEMENTATIONS:
+    for impl in conv_paths.IMPLEMENTATIONS:
         torch.testing.assert_close(outs[impl][0], outs["nchw"][0], atol=1e-4, rtol=0)
         torch.testing.assert_close(outs[impl][1], outs["nchw"][1], atol=1e-4, rtol=0)
     with pytest.raises(ValueError):

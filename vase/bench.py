@@ -36,7 +36,7 @@ from typing import Callable
 
 import torch
 
-from vase import kernels, networks
+from vase import conv_paths, kernels
 from vase.bench_flops import ModelCosts, Peaks
 from vase.bench_memory import measure_memory
 from vase.bench_steps import PlainProcess, RemoteVariant, Spec, Variant
@@ -360,7 +360,7 @@ def format_report(results: dict) -> str:
                          f"({mem['wall_s']:.0f} s); data (train+test images and factors): {data}")
             base = mem.get("without_kept_memory")
             if base and base.get("returncode") == 0:
-                lines.append(f"  the same run with {networks.KEEP_FREED_MEMORY_ENV}=0 (glibc defaults): "
+                lines.append(f"  the same run with {conv_paths.KEEP_FREED_MEMORY_ENV}=0 (glibc defaults): "
                              f"{base['peak_rss_bytes'] / 2**30:.2f} GiB ({base['wall_s']:.0f} s)")
         else:
             lines.append(f"memory: the training child failed (exit {mem.get('returncode')}):\n{mem.get('error', '')}")
@@ -402,7 +402,7 @@ def run_bench(presets: list[str], steps: int = 20, json_out: str | None = None, 
         raise ConfigError("bench --steps must be at least 1")
     if threads > 0:
         torch.set_num_threads(threads)
-    networks.keep_freed_memory()
+    conv_paths.keep_freed_memory()
     results: dict = {"machine": machine_info(), "steps": steps, "note": LOAD_NOTE, "targets_definition": TARGETS}
     peaks = Peaks()
     peaks.sample()

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from vase import networks
+from vase import conv_paths
 from vase.config import ModelConfig
 from vase.networks import IMAGE_SIZE, Decoder, Encoder, EnvironmentClassifier
 
@@ -56,13 +56,13 @@ def layer_costs(module: nn.Module, *example: torch.Tensor) -> list[LayerCost]:
         if isinstance(mod, (nn.Conv2d, nn.ConvTranspose2d, nn.Linear)):
             handles.append(mod.register_forward_hook(hook(name)))
     # The "fast" layers call the conv weights functionally; run the stacks as modules so hooks fire.
-    saved = networks.run_stack
-    networks.run_stack = lambda stack, h, *route: stack(h)
+    saved = conv_paths.run_stack
+    conv_paths.run_stack = lambda stack, h, *route: stack(h)
     try:
         with torch.no_grad():
             module(*example)
     finally:
-        networks.run_stack = saved
+        conv_paths.run_stack = saved
         for h in handles:
             h.remove()
     return costs

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from vase import networks
+from vase import conv_paths
 from vase.config import Config, build_config
 
 
@@ -49,8 +49,8 @@ def measure_memory(steps: int, echo: Callable[[str], None], compare: bool = True
     if out["returncode"] != 0:
         return out
     if compare:
-        out["without_kept_memory"] = _train_child(steps, {networks.KEEP_FREED_MEMORY_ENV: "0"}, echo,
-                                                  f"{networks.KEEP_FREED_MEMORY_ENV}=0")
+        out["without_kept_memory"] = _train_child(steps, {conv_paths.KEEP_FREED_MEMORY_ENV: "0"}, echo,
+                                                  f"{conv_paths.KEEP_FREED_MEMORY_ENV}=0")
     try:
         out["data_bytes"], out["data_detail"] = _data_bytes(cfg)
     except Exception as e:  # the figure is informative only

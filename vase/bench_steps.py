@@ -14,13 +14,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from vase import conv_paths
 from vase import learner as learner_module
-from vase import networks
 from vase.bench_flops import PassRecorder
 from vase.config import Config, ModelConfig, build_config
+from vase.conv_paths import use_implementation
 from vase.errors import ConfigError
 from vase.learner import Learner
-from vase.networks import IMAGE_SIZE, he_init, use_implementation
+from vase.networks import IMAGE_SIZE, he_init
 from vase.objective import capacity, kl_per_latent, mdl_loss
 from vase.stream import Stream
 
@@ -99,14 +100,14 @@ def reference_from(model: nn.Module, m: ModelConfig) -> ReferenceVAE:
     dec_linear = [i for i, mod in enumerate(ref.decoder) if isinstance(mod, nn.Linear)]
     enc_conv = [i for i, mod in enumerate(ref.encoder) if isinstance(mod, nn.Conv2d)]
     dec_conv = [i for i, mod in enumerate(ref.decoder) if isinstance(mod, nn.ConvTranspose2d)]
-    pairs = list(zip(enc_conv, [c for c, _ in networks._layers(model.encoder.convs)]))
+    pairs = list(zip(enc_conv, [c for c, _ in conv_paths._layers(model.encoder.convs)]))
     pairs += list(zip(enc_linear, [model.encoder.fc, model.encoder.head]))
     with torch.no_grad():
         for i, src in pairs:
             ref.encoder[i].weight.copy_(src.weight)
             ref.encoder[i].bias.copy_(src.bias)
         for i, src in zip(dec_linear + dec_conv, [model.decoder.fc1, model.decoder.fc2,
-                                                   *[c for c, _ in networks._layers(model.decoder.deconvs)]]):
+                                                   *[c for c, _ in conv_paths._layers(model.decoder.deconvs)]]):
             ref.decoder[i].weight.copy_(src.weight)
             ref.decoder[i].bias.copy_(src.bias)
     return ref
@@ -154,7 +155,7 @@ class Spec:
     process: str = "main"  # "main" (allocator tuned, current code) or "plain" (a fresh default process)
     threads: int = 0  # >0: torch threads while this variant runs (0: the run's setting)
     # The routes of the current code, or the earlier ones for before/after figures:
-    transposed_weight_grad: str = "swapped"  # networks.TRANSPOSED_WEIGHT_GRAD
+    transposed_weight_grad: str = "swapped"  # conv_paths.TRANSPOSED_WEIGHT_GRAD
     fused_adam: bool = True  # learner.FUSED_ADAM
 
 
@@ -182,8 +183,8 @@ class Variant:
     @contextmanager
     def _settings(self):
         """The variant's thread count and code routes, for its build and each of its runs."""
-        saved = networks.TRANSPOSED_WEIGHT_GRAD, learner_module.FUSED_ADAM
-        networks.TRANSPOSED_WEIGHT_GRAD, learner_module.FUSED_ADAM = (
+        saved = conv_paths.TRANSPOSED_WEIGHT_GRAD, learner_module.FUSED_ADAM
+        conv_paths.TRANSPOSED_WEIGHT_GRAD, learner_module.FUSED_ADAM = (
             self.spec.transposed_weight_grad,
             self.spec.fused_adam,
         )
@@ -191,7 +192,7 @@ class Variant:
             with _num_threads(self.spec.threads):
                 yield
         finally:
-            networks.TRANSPOSED_WEIGHT_GRAD, learner_module.FUSED_ADAM = saved
+            conv_paths.TRANSPOSED_WEIGHT_GRAD, learner_module.FUSED_ADAM = saved
 
     def _build(self) -> None:
         spec = self.spec
@@ -326,10 +327,10 @@ class LoopTimer:
 def _worker_main() -> None:
     """Child process loop (`python -c "from vase.bench_steps import _worker_main; _worker_main()"`): build
     variants and time steps on request, pickled messages over stdin/stdout. glibc's allocator is left
-    at its defaults here (networks.keep_freed_memory is not applied), as in a process that never tuned it."""
+    at its defaults here (conv_paths.keep_freed_memory is not applied), as in a process that never tuned it."""
     import pickle
 
-    networks._allocator_tuned = True
+    conv_paths._allocator_tuned = True
     # The protocol owns the original stdout; anything printed goes to stderr.
     reply = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)

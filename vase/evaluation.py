@@ -15,11 +15,12 @@ import torch
 
 from vase.checkpoint import load_weights
 from vase.config import Config, load_run_config
+from vase.conv_paths import place
 from vase.data.environments import load_sequence
 from vase.errors import VaseError
 from vase.metrics.disentanglement import dci, mig
 from vase.metrics.factor_latents import strongest_latents
-from vase.networks import Encoder, place
+from vase.networks import Encoder
 from vase.probing import ProbeSuite
 
 # Held-out images per environment for MIG/DCI [ours]: enough for 20-bin histograms, fast on 2 cores.

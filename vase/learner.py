@@ -18,12 +18,13 @@ import torch
 from torch.nn import functional as F
 
 from vase.config import Config
+from vase.conv_paths import place, use_implementation
 from vase.device import precision_context
 from vase.dreaming import Dreams, Snapshot, decoder_proximity, encoder_proximity
 from vase.errors import NumericalError
 from vase.inference import Decision, EnvironmentInference
 from vase.masking import LatentMasks, atypicality
-from vase.networks import VAE, EnvironmentClassifier, Posterior, place, use_implementation
+from vase.networks import VAE, EnvironmentClassifier, Posterior
 from vase.objective import (
     environment_capacity,
     kl_per_latent,

@@ -4,7 +4,7 @@
  *
  * X is the conv's input (N, H, W, Ci), G the gradient of its output (N, H/2, W/2, Co), both
  * NHWC-contiguous; dW is written as (Co, 4, 4, Ci), the memory of a channels_last weight.
- * Transposed convs use the same kernel with the two maps swapped (vase/networks.py, `_weight_grad`).
+ * Transposed convs use the same kernel with the two maps swapped (vase/conv_paths.py, `_weight_grad`).
  *
  * Why: oneDNN computes this gradient for the paper network's 64->64 layers at about 125-130
  * GFLOP/s on our 2-core AVX2 machine, where its forward conv of the same shape reaches the matmul
