@@ -40,7 +40,8 @@ def _learner(preset: str, ablation: str, device: torch.device, overrides: tuple[
 
 
 def _stepper(learner, device: torch.device, seed: int = 1) -> Callable[[], object]:
-    """A closure training one step on synthetic images held on the device."""
+    """A closure training one step of `learner` (a Learner or a ReferenceStep) on synthetic images
+    held on the device."""
     cfg = learner.cfg
     env = SyntheticEnvironment(SYNTHETIC_IMAGES, cfg.model.image_channels)
     env.images = env.images.to(device)
@@ -75,14 +76,9 @@ def _variants(preset: str, device: torch.device, compile_: bool) -> dict[str, Ca
 
 
 def _reference(preset: str, device: torch.device) -> Callable[[], object]:
-    cfg = build_config(preset, [], "-")
-    ref = ReferenceStep(cfg, device)
-    env = SyntheticEnvironment(SYNTHETIC_IMAGES, cfg.model.image_channels)
-    env.images = env.images.to(device)
-    stream = Stream([env], [10**9], cfg.train.batch_size)
-    generator = torch.Generator(device=device).manual_seed(1)
-    counter = iter(range(10**12))
-    return lambda: ref.training_step(stream.batch(next(counter), generator))
+    """The straightforward PyTorch step of the same networks, on the same synthetic stream."""
+    ref = ReferenceStep(build_config(preset, [], "-"), device)
+    return _stepper(ref, device)
 
 
 def time_variants(variants: dict[str, Callable[[], object]], device: torch.device, block: int) -> dict[str, float]:

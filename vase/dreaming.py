@@ -1,4 +1,4 @@
-"""D: the dreaming feedback loop (eq. 7, eq. 7)."""
+"""D: the dreaming feedback loop (eq. 7)."""
 from __future__ import annotations
 
 import copy

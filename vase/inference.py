@@ -1,4 +1,4 @@
-"""S: environment inference (eq. 6, eq. 6).
+"""S: environment inference (eq. 6).
 
 The learner is never told which environment a batch comes from. For each batch it asks the
 auxiliary classifier for the most likely past environment s_hat, then accepts s_hat only if
@@ -327,6 +327,6 @@ class EnvironmentInference:
         probation = d.get("probation")  # absent from checkpoints written before probation existed
         if probation is not None:
             probation = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in probation.items()}
-            probation["mask"] = {k: v.to(self.device) if torch.is_tensor(v) and k != "initialised" else v
+            probation["mask"] = {k: v.to(self.device) if torch.is_tensor(v) else v
                                  for k, v in probation["mask"].items()}
         self.probation = None if probation is None else Probation(**probation)

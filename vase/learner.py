@@ -155,7 +155,7 @@ class Learner:
         decision = self.infer_environment(enc, dreams)  # S: eq. 6
         s = decision.env
         mask, maskable = self.enter(decision, enc.alpha)  # A: a^s, as it stands before this batch
-        real_logits, dream_logits, recon = self.reconstruct(enc, s, dreams)
+        _, dream_logits, recon = self.reconstruct(enc, s, dreams)
         losses, target = self.mdl_term(enc, decision, mask, maskable, recon)  # eq. 3 with eq. 2
         losses.update(self.dreaming_term(enc, dreams, dream_logits))  # eq. 7
         losses.update(self.imagination_term(enc, s))  # Fig. 5B, off by default [ours]

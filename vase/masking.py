@@ -1,4 +1,4 @@
-"""A: latent masks from atypicality (eq. 4-5, eq. 4-5)."""
+"""A: latent masks from atypicality (eq. 4-5)."""
 from __future__ import annotations
 
 import torch

@@ -295,12 +295,14 @@ class Trainer:
         w.add_scalar("inference/assigned_env", out.decision.env, t)
         w.add_scalar("inference/true_env", true_env, t)
         w.add_scalar("inference/n_envs", self.learner.inference.n_envs, t)
-        for n in range(out.alpha.shape[0]):
-            w.add_scalar(f"kl/z{n:02d}", float(out.kl_per_latent[n]), t)
-            w.add_scalar(f"atypicality/z{n:02d}", float(out.alpha[n]), t)
-            w.add_scalar(f"mask/z{n:02d}", float(out.mask[n]), t)
+        # One host read for the three per-latent readings (they may live on an accelerator).
+        kl, alpha, mask = torch.stack([out.kl_per_latent, out.alpha, out.mask]).tolist()
+        for n, (k, a, m) in enumerate(zip(kl, alpha, mask)):
+            w.add_scalar(f"kl/z{n:02d}", k, t)
+            w.add_scalar(f"atypicality/z{n:02d}", a, t)
+            w.add_scalar(f"mask/z{n:02d}", m, t)
         self.record.alpha_steps.append(t)
-        self.record.alpha.append([float(a) for a in out.alpha])
+        self.record.alpha.append(alpha)
 
     def _log_reconstructions(self, step: int, true_env: int) -> None:
         for i in range(true_env + 1):
