@@ -263,15 +263,15 @@ def test_inspect_refuses_a_run_without_a_checkpoint(tiny_run, tmp_path):
 
 
 def test_ambiguity_needs_two_slots(tiny_run):
-    trainer = open_run(tiny_run)
+    run = open_run(tiny_run)
     result = invoke(["inspect", tiny_run, "ambiguity"])
-    if len(set(trained_slots(trainer))) == 1:  # 4 steps rarely allocate a second slot
+    if len(set(trained_slots(run))) == 1:  # 4 steps rarely allocate a second slot
         assert result.exit_code != 0 and "both trained under slot 0" in result.output
     # Given a second slot for shapes_b, the readings, figure and CSV are written.
-    trainer.learner.inference.n_envs = 2
-    trainer.record.assigned = [0] * 4 + [1] * 4
+    run.learner.inference.n_envs = 2
+    run.record.assigned = [0] * 4 + [1] * 4
     out = tiny_run / "inspect"
-    paths = write_ambiguity(trainer, out, "test", None, echo=lambda line: None)
+    paths = write_ambiguity(run, out, "test", None, echo=lambda line: None)
     assert [p.suffix for p in paths] == [".png", ".csv", ".csv", ".txt"]
     rows = paths[1].read_text().splitlines()
     assert rows[0].startswith("share_real_from_a,weight_b,batch_q_a") and len(rows) == 1 + 5 * len(WEIGHTS)

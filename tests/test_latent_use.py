@@ -7,9 +7,9 @@ import numpy as np
 import torch
 
 from vase.config import build_config
+from vase.evaluator import Evaluator
 from vase.learner import Learner
 from vase.networks import Posterior
-from vase.trainer import Trainer
 
 
 def with_factors(class_, **factors):
@@ -20,7 +20,7 @@ def with_factors(class_, **factors):
 
 
 def frozen(learner):
-    """The trainer's FrozenEncoder stand-in: mu(x) of the learner's (hand-made) encoder."""
+    """The evaluator's FrozenEncoder stand-in: mu(x) of the learner's (hand-made) encoder."""
     return SimpleNamespace(load=lambda state: SimpleNamespace(posterior=learner.model.encoder))
 
 
@@ -49,7 +49,7 @@ def test_latent_use_reports_kl_mask_and_active_latents():
         cfg=cfg, learner=learner, envs=[SimpleNamespace(name="one")], held_out=[torch.rand(5, 1, 64, 64)],
         test_envs=[with_factors(class_=[0, 1, 0, 1, 0], x=[0, 1, 2, 3, 4])], frozen_encoder=frozen(learner),
     )
-    (row,) = Trainer.latent_use(fake, [0])
+    (row,) = Evaluator.latent_use(fake, [0])
     assert row["true_env"] == "one" and row["slot"] == 0
     assert row["kl_per_latent"][0] == 2.0 and row["kl_per_latent"][2] == 0.125
     assert sum(row["kl_per_latent"]) == 2.125
@@ -97,7 +97,7 @@ def test_latent_use_tells_information_from_a_constant_shift():
         test_envs=[with_factors(class_=[0, 1, 2, 0, 1, 2], x=x_position, y=[0.0, 0, 1, 1, 0, 0])],
         frozen_encoder=frozen(learner),
     )
-    (row,) = Trainer.latent_use(fake, [0])
+    (row,) = Evaluator.latent_use(fake, [0])
     assert row["kl_per_latent"][:2] == [2.0, 2.0]
     assert row["active"] == [0, 1]  # both carry KL ...
     assert row["info_per_latent"][0] == 0.0  # ... but the shifted one tells the decoder nothing

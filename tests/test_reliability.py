@@ -326,12 +326,12 @@ def test_disk_full_while_checkpointing_keeps_the_previous_checkpoint(tmp_path, s
 
 def test_other_io_errors_are_one_line(tmp_path, sprite_data, monkeypatch):
     """A full disk or read-only folder outside the checkpoints (here: TensorBoard) is no traceback either."""
-    from vase import trainer
+    from vase import tensorboard_logger
 
     def read_only(logdir, **kwargs):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), logdir)
 
-    monkeypatch.setattr(trainer, "SummaryWriter", read_only)
+    monkeypatch.setattr(tensorboard_logger, "SummaryWriter", read_only)
     result = invoke(tiny_args(tmp_path / "run", sprite_data, steps=10) + ["--sequence", "moving_shapes_a"])
     fails_in_one_line(result, "tb: Read-only file system")
 

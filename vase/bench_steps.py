@@ -301,7 +301,7 @@ class LoopTimer:
                 t1 = time.perf_counter()
                 out = learner.training_step(x)
                 t2 = time.perf_counter()
-                # What Trainer._record / _log_scalars do with a step's output (every step here).
+                # What the Evaluator and TensorBoardLogger callbacks do with a step's output (every step here).
                 self.v.verdicts[out.decision.verdict] = self.v.verdicts.get(out.decision.verdict, 0) + 1
                 logged = [float(v) for v in out.kl_per_latent] + [float(a) for a in out.alpha]
                 logged += [float(m) for m in out.mask] + list(out.losses.values())

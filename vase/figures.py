@@ -1,8 +1,8 @@
 """A run's figures as RGB arrays (H, W, 3): latent use, cross-domain reconstructions (Fig. 4B), the
 atypicality profile and the probe curves (Fig. 2 bottom).
 
-One function per figure, read from a `Trainer`'s state, so TensorBoard (at every boundary) and
-`vase inspect` (from any kept checkpoint) draw the same pictures from the same code.
+One function per figure, read from a run's `vase.evaluator.Evaluator`, so TensorBoard (at every
+boundary) and `vase inspect` (from any kept checkpoint) draw the same pictures from the same code.
 """
 from __future__ import annotations
 
@@ -21,24 +21,24 @@ from vase.visualize import cross_domain_panel
 CROSS_DOMAIN_ROWS = 6
 
 
-def latent_use(trainer) -> np.ndarray:
-    _, rows, _ = trainer.slot_tables()
-    return latent_use_figure(rows, trainer.cfg.inference.used_kl)
+def latent_use(run) -> np.ndarray:
+    _, rows, _ = run.slot_tables()
+    return latent_use_figure(rows, run.cfg.inference.used_kl)
 
 
-def cross_domain(trainer, source: int | None = None, rows: int = CROSS_DOMAIN_ROWS) -> np.ndarray:
+def cross_domain(run, source: int | None = None, rows: int = CROSS_DOMAIN_ROWS) -> np.ndarray:
     """Every environment seen so far, its first held-out image (the traversals' seed) decoded under
     every slot; with `source`, `rows` held-out images of that one environment instead, each with
     its own error under every slot."""
-    learner = trainer.learner
+    learner = run.learner
     slots = max(1, learner.inference.n_envs)
-    trained, _, errors = trainer.slot_tables()
-    names = [env.name for env in trainer.envs]
+    trained, _, errors = run.slot_tables()
+    names = [env.name for env in run.envs]
     if source is None:
-        images = torch.stack([x[0] for x in trainer.held_out[: len(trained)]])
+        images = torch.stack([x[0] for x in run.held_out[: len(trained)]])
         labels, own = names[: len(trained)], trained
     else:
-        images = trainer.held_out[source][:rows]
+        images = run.held_out[source][:rows]
         errors = [[learner.reconstruction_error(x[None], s) for s in range(slots)] for x in images]
         # An environment the run has not reached yet has no slot of its own: frame the classifier's pick.
         slot = trained[source] if source < len(trained) else learner.infer_slot(images)
@@ -47,18 +47,18 @@ def cross_domain(trainer, source: int | None = None, rows: int = CROSS_DOMAIN_RO
     return cross_domain_figure(panel.numpy(), labels, errors, own)
 
 
-def atypicality_profile(trainer) -> np.ndarray | None:
-    record, mask = trainer.record, trainer.cfg.mask
+def atypicality_profile(run) -> np.ndarray | None:
+    record, mask = run.record, run.cfg.mask
     if not record.alpha:
         return None
     return atypicality_figure(record.alpha_steps, np.asarray(record.alpha), mask.lambda_low, mask.lambda_high,
-                              trainer.stream.ends)
+                              run.stream.ends)
 
 
-def probe_curves(trainer) -> np.ndarray | None:
-    if not (trainer.probes and trainer.probes.history):
+def probe_curves(run) -> np.ndarray | None:
+    if not (run.probes and run.probes.history):
         return None
-    return probe_curves_figure(trainer.probes.history, trainer.stream.ends)
+    return probe_curves_figure(run.probes.history, run.stream.ends)
 
 
 FIGURES = {
@@ -69,7 +69,7 @@ FIGURES = {
 }
 
 
-def run_figures(trainer) -> dict[str, np.ndarray]:
+def run_figures(run) -> dict[str, np.ndarray]:
     """Every figure the run's state can draw, by name (the TensorBoard tag after "figures/")."""
-    figures = {name: draw(trainer) for name, draw in FIGURES.items()}
+    figures = {name: draw(run) for name, draw in FIGURES.items()}
     return {name: fig for name, fig in figures.items() if fig is not None}

@@ -1,8 +1,8 @@
 """`vase inspect`: the paper's pictures as files, from any kept checkpoint of a run.
 
-The run is rebuilt as its `Trainer` (config, data, learner) and given the checkpoint's state, so
-every picture is drawn by the code that logs it to TensorBoard; nothing in the run directory but
-RUN_DIR/inspect is written.
+The run is rebuilt as its `Trainer` (config, data, learner) and given the checkpoint's state; its
+`Evaluator` serves the pictures, so every one is drawn by the code that logs it to TensorBoard.
+Nothing in the run directory but RUN_DIR/inspect is written.
 """
 from __future__ import annotations
 
@@ -48,8 +48,8 @@ def parse_pictures(names: tuple[str, ...] | list[str]) -> list[str]:
 
 
 def open_run(run_dir: Path, step: int | None = None, data_root: str | None = None, device: str = "cpu"):
-    """The run's Trainer in the state of its checkpoint of `step` (default: the newest); on disk,
-    nothing changes (no resume: later encoders and events stay)."""
+    """The run's Evaluator (config, data, learner, record) in the state of its checkpoint of `step`
+    (default: the newest); on disk, nothing changes (no resume: later encoders and events stay)."""
     from vase.trainer import Trainer
 
     run_dir = Path(run_dir)
@@ -62,9 +62,9 @@ def open_run(run_dir: Path, step: int | None = None, data_root: str | None = Non
         raise VaseError(f"{run_dir} has no checkpoint yet: a run writes its first at a boundary or after "
                         f"train.checkpoint_every ({cfg.train.checkpoint_every}) steps")
     state, _ = load_checkpoint(run_dir, step)  # before the data loads: a bad step fails at once
-    trainer = Trainer(cfg, run_dir, progress=False, device=device)
+    trainer = Trainer(cfg, run_dir, progress=False, device=device, callbacks=[])
     trainer.load_state_dict(state)
-    return trainer
+    return trainer.evaluator
 
 
 def inspect_run(run_dir: Path, names: tuple[str, ...], options: InspectOptions, echo=print) -> list[Path]:
@@ -74,21 +74,21 @@ def inspect_run(run_dir: Path, names: tuple[str, ...], options: InspectOptions, 
     skipped with a note, so the others are still written.
     """
     pictures = parse_pictures(names)
-    trainer = open_run(run_dir, options.step, options.data_root, options.device)
-    source = _env_index(trainer, options.source) if options.source else None
+    run = open_run(run_dir, options.step, options.data_root, options.device)
+    source = _env_index(run, options.source) if options.source else None
     out = Path(run_dir) / INSPECT_DIR
     out.mkdir(exist_ok=True)
-    tag = f"step{trainer.learner.step}"
+    tag = f"step{run.learner.step}"
     written: list[Path] = []
     for picture in pictures:
         if picture == "traversals":
-            written += write_traversals(trainer, out, tag, options.used_only, options.image, echo)
+            written += write_traversals(run, out, tag, options.used_only, options.image, echo)
         elif picture == "cross_domain":
             name = "cross_domain" + (f"_{options.source}" if options.source else "")
-            written.append(save_png(figures.cross_domain(trainer, source), out / f"{name}_{tag}.png"))
+            written.append(save_png(figures.cross_domain(run, source), out / f"{name}_{tag}.png"))
         elif picture == "ambiguity":
             try:
-                written += write_ambiguity(trainer, out, tag, options.envs, echo)
+                written += write_ambiguity(run, out, tag, options.envs, echo)
             except VaseError as e:
                 if names:
                     raise
@@ -96,9 +96,9 @@ def inspect_run(run_dir: Path, names: tuple[str, ...], options: InspectOptions, 
         else:
             draw = {"latent_use": figures.latent_use, "atypicality": figures.atypicality_profile,
                     "probes": figures.probe_curves}[picture]
-            rgb = draw(trainer)
+            rgb = draw(run)
             if rgb is None:
-                echo(f"{picture}: nothing recorded yet at step {trainer.learner.step}")
+                echo(f"{picture}: nothing recorded yet at step {run.learner.step}")
                 continue
             written.append(save_png(rgb, out / f"{picture}_{tag}.png"))
     return written
@@ -116,36 +116,36 @@ def _uint8(rgb: np.ndarray | torch.Tensor) -> np.ndarray:
     return np.asarray(rgb, dtype=np.uint8)
 
 
-def _env_index(trainer, name: str) -> int:
-    names = [env.name for env in trainer.envs]
+def _env_index(run, name: str) -> int:
+    names = [env.name for env in run.envs]
     if name not in names:
         raise ConfigError(f"environment {name!r} is not in this run's sequence ({', '.join(names)})")
     return names.index(name)
 
 
-def trained_slots(trainer) -> list[int]:
+def trained_slots(run) -> list[int]:
     """The slot each environment reached so far trained under (the majority of its steps)."""
-    return [row["inferred_env"] for row in trainer.inferred_environments()]
+    return [row["inferred_env"] for row in run.inferred_environments()]
 
 
 # -- traversals (Fig. 2 top, Fig. 3A) --------------------------------------------------------------------------
-def write_traversals(trainer, out: Path, tag: str, used_only: bool, image: int, echo) -> list[Path]:
+def write_traversals(run, out: Path, tag: str, used_only: bool, image: int, echo) -> list[Path]:
     """Per inferred environment (slot), from a held-out image of the first environment trained under
     it: a PNG of every latent swept over -2..2 (or only the latents the slot uses), ordered by the
     information the slot's latents carried while it trained, and a GIF of all rows at once."""
-    learner, used_kl = trainer.learner, trainer.cfg.inference.used_kl
-    trained = trained_slots(trainer)
+    learner, used_kl = run.learner, run.cfg.inference.used_kl
+    trained = trained_slots(run)
     slots = list(dict.fromkeys(trained))
     colours = torch.stack([latent_colours(learner, s, used_kl) for s in range(max(1, learner.inference.n_envs))], 1)
     written = []
     for slot in slots:
         env = trained.index(slot)
-        name = trainer.envs[env].name
-        if not 0 <= image < len(trainer.held_out[env]):
+        name = run.envs[env].name
+        if not 0 <= image < len(run.held_out[env]):
             raise ConfigError(
-                f"--image {image} is out of range: {name} has {len(trainer.held_out[env])} held-out images"
+                f"--image {image} is out of range: {name} has {len(run.held_out[env])} held-out images"
             )
-        seed = trainer.held_out[env][image]
+        seed = run.held_out[env][image]
         usage = learner.inference.usage[slot]
         latents = torch.argsort(usage, descending=True, stable=True)
         if used_only:
@@ -180,23 +180,23 @@ def save_gif(pictures: list[torch.Tensor], path: Path) -> Path:
 
 
 # -- ambiguity (Fig. 5A) -----------------------------------------------------------------------------------------
-def write_ambiguity(trainer, out: Path, tag: str, envs: tuple[str, str] | None, echo) -> list[Path]:
-    names = [env.name for env in trainer.envs]
+def write_ambiguity(run, out: Path, tag: str, envs: tuple[str, str] | None, echo) -> list[Path]:
+    names = [env.name for env in run.envs]
     distinct = list(dict.fromkeys(names))
     if len(distinct) < 2:
         raise VaseError(f"ambiguity needs a run over two environments; this one saw only {distinct[0]}")
     env_a, env_b = envs or (distinct[0], distinct[1])
-    a, b = _env_index(trainer, env_a), _env_index(trainer, env_b)
-    trained = trained_slots(trainer)
+    a, b = _env_index(run, env_a), _env_index(run, env_b)
+    trained = trained_slots(run)
     if max(a, b) >= len(trained):
-        raise VaseError(f"at step {trainer.learner.step} the run has not trained on {names[max(a, b)]} yet")
+        raise VaseError(f"at step {run.learner.step} the run has not trained on {names[max(a, b)]} yet")
     slots = (trained[a], trained[b])
     if slots[0] == slots[1]:
         raise VaseError(f"{env_a} and {env_b} both trained under slot {slots[0]}: with one slot for both, "
                         "q(s|x) has nothing to decide between")
-    result = measure_ambiguity(trainer.learner, trainer.held_out[a], trainer.held_out[b], slots, (env_a, env_b),
-                               trainer.cfg.inference.used_kl)
-    strip = ambiguity_strip(trainer.learner, trainer.held_out[a][0], trainer.held_out[b][0], slots)
+    result = measure_ambiguity(run.learner, run.held_out[a], run.held_out[b], slots, (env_a, env_b),
+                               run.cfg.inference.used_kl)
+    strip = ambiguity_strip(run.learner, run.held_out[a][0], run.held_out[b][0], slots)
     stem = out / f"ambiguity_{env_a}_{env_b}_{tag}"
     grid, latents, text = (stem.with_name(stem.name + suffix) for suffix in (".csv", "_latents.csv", ".txt"))
     result.write_csv(grid, latents)

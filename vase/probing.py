@@ -1,4 +1,4 @@
-"""The probe runner the trainer calls (docs/probes.md): fixed probe sets, evaluation, Table 1 summaries.
+"""The probe runner the run's evaluator calls (docs/probes.md): fixed probe sets, evaluation, Table 1 summaries.
 
 Protocol (ours, since the paper's appendix A.6 is unpublished; see ``docs/probes.md``):
 

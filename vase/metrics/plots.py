@@ -77,7 +77,7 @@ def atypicality_figure(
 
 
 def latent_use_matrix(rows: Sequence[dict]) -> np.ndarray:
-    """(E, N) information per latent, in nats, of each row of `Trainer.latent_use`, with the latents
+    """(E, N) information per latent, in nats, of each row of `Evaluator.latent_use`, with the latents
     its slot masks set to NaN: a masked latent feeds prior noise (eq. 2), so it carries nothing
     there whatever the encoder says."""
     info = np.array([row["info_per_latent"] for row in rows], dtype=np.float64)
