@@ -443,7 +443,7 @@ class Trainer:
             "capacity_form": self.cfg.objective.capacity_form,
             "mode": self.cfg.objective.mode,
             "preset": self.cfg.preset,
-            "sequence": self.cfg.data.env_names(),
+            "sequence": self.cfg.data.sequence,
             "steps_per_env": self.cfg.data.env_steps(),
             "seed": self.cfg.train.seed,
             "steps": self.learner.step,
@@ -452,7 +452,7 @@ class Trainer:
             # The route decides the last bits of every gradient, so it is part of what reproduces a run.
             "weight_gradients": kernels.route(self.cfg.model.weight_grad_kernel),
             "environments_inferred": self.learner.inference.n_envs,
-            "environments_true": len(set(self.cfg.data.env_names())),
+            "environments_true": len(set(self.cfg.data.sequence)),
             "inferred_vs_true": inferred,
             "inference_events": self.record.events,
             "pending_batches": self.record.pending,
