@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from vase.config import build_config, load_run_config, option_overrides, preset_names, schedule_names
+from vase.config_values import comma_list
 from vase.errors import VaseError
 
 DEFAULT_SEQUENCE_HELP = "moving_shapes_a,shapes_b,moving_shapes_b (embedded sprites, no download)"
@@ -54,7 +55,7 @@ def _check_sequence(ctx, param, value):
         return value
     from vase.data.environments import ENVIRONMENT_NAMES
 
-    names = [v.strip() for v in value.split(",") if v.strip()]
+    names = comma_list(value)
     unknown = [n for n in names if n not in ENVIRONMENT_NAMES]
     if not names or unknown:
         raise click.BadParameter(
@@ -81,11 +82,8 @@ def main(ctx):
               help="Network size: 'paper' (64-64-128-128 convs) or 'cpu' (32 channels everywhere).")
 @click.option("--sequence", callback=_check_sequence, default=None,
               help=f"Comma-separated environments in training order. Default: {DEFAULT_SEQUENCE_HELP}.")
-@click.option(
-    "--steps",
-    default=None,
-    help="Steps per environment: one number, or one per environment (comma list). Default: 1200.",
-)
+@click.option("--steps", default=None,
+              help="Steps per environment: one number, or one per environment (comma list). Default: 1200.")
 @click.option("--ablation", default=None,
               help="Table 1 row: S, D, A, SA, DA, SD, SDA (full VASE, default), SD-[41], or '-' (write --ablation=-).")
 @click.option("--entangled", is_flag=True, help="Plain VAE objective (beta = 1) instead of the capacity objective.")
@@ -111,18 +109,14 @@ def train(preset, sequence, steps, ablation, entangled, seed, data_root, downloa
     With no options: the full VASE (SDA) on the embedded sprite sequence with the CPU preset.
     """
     from vase.checkpoint import write_atomic
-    from vase.report import summary_text
+    from vase.summary import summary_text
     from vase.trainer import Trainer, check_run_dir, prepare_run_dir, run_dir_for
 
     path = Path(resume_dir) if resume_dir else None
     try:
         if resume_dir:
             _refuse_with_resume(click.get_current_context())
-            cfg = load_run_config(path)
-            if data_root:  # where the data lives (or comes from) does not change the run
-                cfg.data.root = data_root
-            if download:
-                cfg.data.download = True
+            cfg = load_run_config(path, data_root, download)
         else:
             sets = list(overrides) + option_overrides(sequence, steps, entangled, seed, data_root, download)
             cfg = build_config(preset, sets, ablation, schedule)
@@ -168,7 +162,7 @@ def _refuse_with_resume(ctx: click.Context) -> None:
 def evaluate(run_dir, as_json, device):
     """Recompute probes and metrics from a run's checkpoints and print them."""
     from vase.evaluation import evaluate_run
-    from vase.report import summary_text
+    from vase.summary import summary_text
 
     try:
         results = evaluate_run(Path(run_dir), device=_resolve_device(device))
@@ -193,16 +187,8 @@ def table(run_dirs, as_json, markdown, output, readme):
     form separate rows. docs/results.md and the README's results table are made with
     `vase table docs/results/*/* --markdown --output docs/results.md --readme README.md`.
     """
-    from vase.report import (
-        heldout_markdown,
-        load_results,
-        readme_block,
-        replace_block,
-        results_page,
-        table1_markdown,
-        table1_rows,
-        table1_text,
-    )
+    from vase.report import markdown_tables, results_page, rewrite_readme
+    from vase.table1 import load_results, table1_rows, table1_text
 
     dirs = sorted(Path(d) for d in run_dirs)
     try:
@@ -211,15 +197,14 @@ def table(run_dirs, as_json, markdown, output, readme):
             Path(output).write_text(results_page(rows, dirs, Path(output)))
             click.echo(f"wrote {output}")
         if readme:
-            text = Path(readme).read_text()
-            Path(readme).write_text(replace_block(text, readme_block(rows, dirs, Path(readme))))
+            rewrite_readme(Path(readme), rows, dirs)
             click.echo(f"rewrote the results block of {readme}")
     except VaseError as e:
         _fail(e)
     if as_json:
         click.echo(json.dumps(rows, indent=2))
     elif markdown and not (output or readme):
-        click.echo(table1_markdown(rows) + "\n" + heldout_markdown(rows))
+        click.echo(markdown_tables(rows))
     elif not (output or readme):
         click.echo(table1_text(rows))
 
@@ -231,9 +216,8 @@ def table(run_dirs, as_json, markdown, output, readme):
 @click.option("--used-only", is_flag=True, help="Traversals: only the latents each slot uses.")
 @click.option("--image", type=click.IntRange(min=0), default=0, show_default=True,
               help="Traversals: index of the held-out seed image of each environment.")
-@click.option(
-    "--source", default=None, help="Cross-domain: rows from this environment only (default: one per environment)."
-)
+@click.option("--source", default=None,
+              help="Cross-domain: rows from this environment only (default: one per environment).")
 @click.option("--envs", default=None, metavar="A,B",
               help="Ambiguity: the two environments to interpolate (default: the first two of the sequence).")
 @click.option("--data-root", type=click.Path(file_okay=False), default=None,
@@ -247,7 +231,7 @@ def inspect(run_dir, pictures, step, used_only, image, source, envs, data_root, 
     """
     from vase.inspection import InspectOptions, inspect_run
 
-    pair = tuple(e.strip() for e in envs.split(",")) if envs else None
+    pair = tuple(comma_list(envs)) if envs else None
     try:
         if pair is not None and len(pair) != 2:
             raise VaseError(f"--envs takes two environments, A,B; got {envs!r}")
@@ -284,9 +268,8 @@ def inspect(run_dir, pictures, step, used_only, image, source, envs, data_root, 
 @click.option("--data-root", type=click.Path(file_okay=False), default=None,
               help="Data root (default: $VASE_DATA_ROOT or ./datasets).")
 @click.option("--download", is_flag=True, help="Download MNIST/Fashion-MNIST with torchvision if missing.")
-@click.option(
-    "--dry-run", is_flag=True, help="List the runs, their state and their `vase train` commands; train nothing."
-)
+@click.option("--dry-run", is_flag=True,
+              help="List the runs, their state and their `vase train` commands; train nothing.")
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
 @_device_option()
 @_schedule_option()
@@ -301,20 +284,8 @@ def grid(rows, modes, seeds, preset, sequence, steps, overrides, root, threads, 
     Runs go in parallel on this machine, or on a Ray cluster with --ray. Run the same command
     again to resume: finished runs are kept and interrupted ones continue from their checkpoints.
     """
-    import os
-
-    from vase.grid import (
-        DONE,
-        PAPER_SEQUENCE,
-        GridSpec,
-        parse_modes,
-        parse_rows,
-        parse_seeds,
-        plan,
-        run_grid,
-        train_arguments,
-    )
-    from vase.grid_backends import LocalBackend, RayBackend
+    from vase.grid import PAPER_SEQUENCE, GridSpec, dry_run_lines, parse_modes, parse_rows, parse_seeds, run_grid
+    from vase.grid_backends import backend_for
 
     try:
         spec = GridSpec(parse_rows(rows), parse_modes(modes), parse_seeds(seeds), Path(root), preset,
@@ -322,24 +293,11 @@ def grid(rows, modes, seeds, preset, sequence, steps, overrides, root, threads, 
                         "cuda" if gpus or (runs_per_gpu > 1 and (use_ray or ray_address)) else device, schedule)
         for run in spec.runs():  # every cell's config is valid before anything starts
             spec.config(run)
-        if (use_ray or ray_address) and workers is not None:
-            raise VaseError("--workers is for runs on this machine; with --ray each run holds --threads CPUs "
-                            "and Ray decides how many run at once")
+        backend = backend_for(threads, workers, use_ray, ray_address, gpus, runs_per_gpu, device)
         if dry_run:
-            for run, status in plan(spec):
-                command = "kept" if status == DONE else "vase " + " ".join(train_arguments(spec, run, status))
-                click.echo(f"{status:6s} {run.name}: {command}")
+            for line in dry_run_lines(spec):
+                click.echo(line)
             return
-        if gpus and (use_ray or ray_address or workers is not None):
-            raise VaseError("--gpus places runs on this machine's GPUs (--runs-per-gpu at a time on each); "
-                            "drop --workers, and with --ray use --runs-per-gpu alone")
-        if use_ray or ray_address:
-            # The driver may have no GPU while the cluster's nodes do: decide from the options alone.
-            gpu_share = 1.0 / runs_per_gpu if device.startswith("cuda") or runs_per_gpu > 1 else 0.0
-            backend = RayBackend(threads, ray_address, gpu_share)
-        else:
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-            backend = LocalBackend(workers or max(1, cores // threads), gpus=gpus, runs_per_gpu=runs_per_gpu)
         previous = signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's SIGTERM stops the runs as Ctrl-C does
         try:
             report = run_grid(spec, backend, echo=click.echo, progress=not no_progress)

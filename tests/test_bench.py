@@ -11,7 +11,9 @@ from torch.nn import functional as F
 from vase import conv_paths
 from vase.bench import run_bench
 from vase.bench_flops import ModelCosts, PassRecorder, layer_costs, pass_flops
-from vase.bench_steps import Spec, prepare_environments, reference_from
+from vase.bench_reference import reference_from
+from vase.bench_steps import prepare_environments
+from vase.bench_variants import Spec
 from vase.config import build_config
 from vase.conv_paths import use_implementation
 from vase.learner import Learner

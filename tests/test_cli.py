@@ -122,7 +122,7 @@ def test_train_prints_the_summary_and_writes_the_run(sprite_run, sprite_data):
 
     config = json.loads((run / "config.json").read_text())
     assert config["ablation"] == "SDA" and config["version"] == 1
-    assert config["data"]["steps_per_env"] == str(STEPS) and config["data"]["root"] == str(sprite_data)
+    assert config["data"]["steps_per_env"] == [STEPS] and config["data"]["root"] == str(sprite_data)
     assert config["train"]["batch_size"] == TINY["train.batch_size"]
     assert config["probe"]["every"] == TINY["probe.every"]
 

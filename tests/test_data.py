@@ -175,11 +175,11 @@ def test_unknown_name_lists_known_names(tmp_path):
 def test_sequence_validates_every_name_before_loading(tmp_path, monkeypatch):
     monkeypatch.setattr(sprites, "render", lambda *a, **k: pytest.fail("rendered before validating"))
     with pytest.raises(DataError, match="unknown environment 'bogus'"):
-        load_sequence(sprite_cfg(tmp_path, sequence="moving_shapes_a,bogus"), "train")
+        load_sequence(sprite_cfg(tmp_path, sequence=["moving_shapes_a", "bogus"]), "train")
 
 
 def test_sequence_loads_in_order(tmp_path):
-    envs = load_sequence(sprite_cfg(tmp_path, sequence="moving_shapes_a,shapes_b"), "test", progress=False)
+    envs = load_sequence(sprite_cfg(tmp_path, sequence=["moving_shapes_a", "shapes_b"]), "test", progress=False)
     assert [e.name for e in envs] == ["moving_shapes_a", "shapes_b"]
     assert [e.family for e in envs] == ["shapes_a", "shapes_b"]
 

@@ -8,7 +8,7 @@ from vase.networks import VAE
 
 def _model():
     torch.manual_seed(0)
-    return VAE(ModelConfig(channels="8,8,8,8", hidden=32, latents=4, k_max=3))
+    return VAE(ModelConfig(channels=[8, 8, 8, 8], hidden=32, latents=4, k_max=3))
 
 
 def _dream_loss(model, snapshot, dreams):

@@ -88,7 +88,7 @@ def test_every_cell_of_the_paper_grid_is_its_own_run_with_its_own_switches(tmp_p
         cfg = spec.config(run)
         assert cfg.ablation() == run.row
         assert cfg.objective.mode == run.mode and cfg.train.seed == run.seed and cfg.train.threads == 1
-        assert cfg.data.sequence == "moving_fashion,mnist,moving_mnist"
+        assert cfg.data.sequence == ["moving_fashion", "mnist", "moving_mnist"]
         assert run.run_dir.parent == tmp_path.absolute() and "[" not in run.name
 
 
@@ -128,7 +128,7 @@ def test_plan_tells_new_resumed_and_finished_runs_apart_and_refuses_foreign_ones
     assert train_arguments(spec, partial, RESUME)[:3] == ["train", "--resume", str(partial.run_dir)]
 
     other = replace(spec, steps="15")  # the same folders, other settings: refused, naming the difference
-    with pytest.raises(VaseError, match=r"other settings \(data.steps_per_env: '10' -> '15'\)"):
+    with pytest.raises(VaseError, match=r"other settings \(data.steps_per_env: \[10\] -> \[15\]\)"):
         plan(other)
     stray = runs["none-disentangled-s2"].run_dir
     stray.mkdir()

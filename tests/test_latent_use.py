@@ -58,7 +58,7 @@ def test_latent_use_reports_kl_mask_and_active_latents():
     assert row["used_in_training"] == [0]  # the last latent's usage (0.05) is below used_kl
     assert row["usage_per_latent"] == [1.5] + [0.0] * (cfg.model.latents - 2) + [0.05]  # the values behind it
 
-    from vase.report import summary_text
+    from vase.summary import summary_text
 
     results = {"ablation": "A", "mode": "disentangled", "preset": "cpu", "steps": 1, "wall_time_s": 1.0,
                "environments_inferred": 1, "environments_true": 1, "inferred_vs_true": [], "latent_use": [row]}
@@ -112,7 +112,7 @@ def test_latent_use_tells_information_from_a_constant_shift():
 
 
 def test_summary_warns_of_an_environment_whose_slot_carries_no_information():
-    from vase.report import summary_text
+    from vase.summary import summary_text
 
     def row(env, informative):
         return {"true_env": env, "slot": 0, "used_in_training": [0], "masked": [], "active": [0, 1],
@@ -130,7 +130,7 @@ def test_summary_warns_of_an_environment_whose_slot_carries_no_information():
 
 
 def test_the_used_count_at_other_thresholds_reads_the_largest_usage_of_any_slot():
-    from vase.report import USAGE_READINGS, used_at_thresholds
+    from vase.summary import USAGE_READINGS, used_at_thresholds
 
     rows = [{"usage_per_latent": [0.2, 0.6, 0.0, 0.05]}, {"usage_per_latent": [0.05, 1.2, 0.3, 0.1]}]
     assert USAGE_READINGS == (0.1, 0.25, 0.5, 1.0)

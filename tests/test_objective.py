@@ -229,15 +229,14 @@ def test_an_unknown_capacity_form_is_refused():
 
 
 def test_the_long_schedule_sets_the_lengths_together_and_overrides_win():
-    from vase.config import schedule_overrides
+    from vase.config import schedule_settings
 
     short, long = build_config("cpu"), build_config("cpu", [], "SDA", "long")
-    assert long.schedule == "long" and short.schedule == "short"
-    assert short == build_config("cpu", schedule_overrides("short"))
-    assert int(long.data.steps_per_env) > int(short.data.steps_per_env)
+    assert long.schedule == "long" and short.schedule == "short" and schedule_settings("short") == {}
+    assert long.data.steps_per_env == [12000] and short.data.steps_per_env == [1200]
     assert long.objective.capacity_ramp_steps > short.objective.capacity_ramp_steps
     assert long.probe.every >= short.probe.every and long.inference.cooldown > short.inference.cooldown
-    assert build_config("cpu", ["data.steps_per_env=7"], "SDA", "long").data.steps_per_env == "7"
+    assert build_config("cpu", ["data.steps_per_env=7"], "SDA", "long").data.steps_per_env == [7]
 
 
 def test_an_unknown_schedule_is_refused():

@@ -98,7 +98,7 @@ def read_results(run: Path) -> dict:
         ),
         (["--steps", "0"], "data.steps_per_env must be positive"),
         (["--steps=-3"], "data.steps_per_env must be positive"),
-        (["--steps", "ten"], "data.steps_per_env must be integers"),
+        (["--steps", "ten"], "data.steps_per_env must be a comma-separated list of integers, got 'ten'"),
         (["--set", "train.batch_size=0"], "train.batch_size must be positive"),
         (["--set", "dream.batch_size=-1"], "dream.batch_size must be positive"),
         (["--set", "model.k_max=0"], "model.k_max must be at least 1"),

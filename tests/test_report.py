@@ -7,17 +7,8 @@ from click.testing import CliRunner
 
 from cli import main
 from vase.errors import VaseError
-from vase.report import (
-    RESULTS_BEGIN,
-    RESULTS_END,
-    heldout_retention,
-    load_results,
-    readme_block,
-    replace_block,
-    results_page,
-    table1_markdown,
-    table1_rows,
-)
+from vase.report import RESULTS_BEGIN, RESULTS_END, readme_block, replace_block, results_page, table1_markdown
+from vase.table1 import heldout_retention, load_results, table1_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER = ["moving_fashion", "mnist", "moving_mnist"]

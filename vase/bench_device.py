@@ -20,7 +20,8 @@ from typing import Callable
 
 import torch
 
-from vase.bench_steps import SYNTHETIC_IMAGES, ReferenceStep, SyntheticEnvironment, prepare_environments
+from vase.bench_reference import ReferenceStep
+from vase.bench_steps import SYNTHETIC_IMAGES, SyntheticEnvironment, prepare_environments
 from vase.config import build_config
 from vase.device import describe
 from vase.learner import Learner

@@ -1,37 +1,29 @@
-"""`vase bench`: what is timed: synthetic data, the learner's step and a straightforward reference
-step, each variant built in this process or in a plain child process (docs/benchmarks.md)."""
+"""`vase bench`: what is timed: synthetic data, and the learner's (or the reference's) step built
+from a Spec and timed one step at a time, or inside a trainer-like loop (docs/benchmarks.md)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from torch import nn
-from torch.nn import functional as F
 
 from vase import conv_paths
 from vase import learner as learner_module
 from vase.bench_flops import PassRecorder
-from vase.config import Config, ModelConfig, build_config
+from vase.bench_reference import ReferenceStep
+from vase.bench_variants import Spec
+from vase.config import build_config
 from vase.conv_paths import use_implementation
 from vase.errors import ConfigError
 from vase.learner import Learner
-from vase.networks import IMAGE_SIZE, he_init
-from vase.objective import capacity, kl_per_latent, mdl_loss
+from vase.networks import IMAGE_SIZE
 from vase.stream import Stream
 
 WARMUP_STEPS = 3
 SYNTHETIC_IMAGES = 4096
 
 
-# =====================================================================================================
-# What is timed
-# =====================================================================================================
 class SyntheticEnvironment:
     """Environment-like: uint8 (N, 1, 64, 64) images, batches gathered and converted like the real one."""
 
@@ -68,95 +60,6 @@ def prepare_environments(learner, n_envs: int) -> None:
     with torch.no_grad():
         learner.classifier.linear.bias[n_envs - 1] += 50.0
     learner.snapshot.sync(learner.model)
-
-
-class ReferenceVAE(nn.Module):
-    """The straightforward implementation of the same networks: nn.Sequential, default NCHW format."""
-
-    def __init__(self, m: ModelConfig):
-        super().__init__()
-        ch = m.channel_list()
-        c, r = [m.image_channels, *ch], [*reversed(ch), m.image_channels]
-        feat = ch[-1] * (IMAGE_SIZE // 16) ** 2
-        enc: list[nn.Module] = []
-        for a, b in zip(c[:-1], c[1:]):
-            enc += [nn.Conv2d(a, b, 4, 2, 1), nn.ReLU()]
-        self.encoder = nn.Sequential(*enc, nn.Flatten(), nn.Linear(feat, m.hidden), nn.ReLU(),
-                                     nn.Linear(m.hidden, 2 * m.latents))
-        dec: list[nn.Module] = [nn.Linear(m.latents + m.k_max, m.hidden), nn.ReLU(), nn.Linear(m.hidden, feat),
-                                nn.ReLU(), nn.Unflatten(1, (ch[-1], IMAGE_SIZE // 16, IMAGE_SIZE // 16))]
-        for i, (a, b) in enumerate(zip(r[:-1], r[1:])):
-            dec.append(nn.ConvTranspose2d(a, b, 4, 2, 1))
-            if i < len(r) - 2:
-                dec.append(nn.ReLU())
-        self.decoder = nn.Sequential(*dec)
-        he_init(self)
-
-
-def reference_from(model: nn.Module, m: ModelConfig) -> ReferenceVAE:
-    """A ReferenceVAE holding the weights of a vase VAE (the same function, computed plainly)."""
-    ref = ReferenceVAE(m)
-    enc_linear = [i for i, mod in enumerate(ref.encoder) if isinstance(mod, nn.Linear)]
-    dec_linear = [i for i, mod in enumerate(ref.decoder) if isinstance(mod, nn.Linear)]
-    enc_conv = [i for i, mod in enumerate(ref.encoder) if isinstance(mod, nn.Conv2d)]
-    dec_conv = [i for i, mod in enumerate(ref.decoder) if isinstance(mod, nn.ConvTranspose2d)]
-    pairs = list(zip(enc_conv, [c for c, _ in conv_paths._layers(model.encoder.convs)]))
-    pairs += list(zip(enc_linear, [model.encoder.fc, model.encoder.head]))
-    with torch.no_grad():
-        for i, src in pairs:
-            ref.encoder[i].weight.copy_(src.weight)
-            ref.encoder[i].bias.copy_(src.bias)
-        for i, src in zip(dec_linear + dec_conv, [model.decoder.fc1, model.decoder.fc2,
-                                                   *[c for c, _ in conv_paths._layers(model.decoder.deconvs)]]):
-            ref.decoder[i].weight.copy_(src.weight)
-            ref.decoder[i].bias.copy_(src.bias)
-    return ref
-
-
-class ReferenceStep:
-    """One plain-VAE step of the reference: encode, reparameterise, decode under env 0, the same MDL
-    loss (eq. 3), Adam."""
-
-    def __init__(self, cfg: Config, device: torch.device | str = "cpu"):
-        torch.manual_seed(cfg.train.seed)
-        self.cfg = cfg
-        self.model = ReferenceVAE(cfg.model).to(device)
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=cfg.train.lr)
-        self.step = 0
-
-    def training_step(self, x: torch.Tensor) -> float:
-        mu, logvar = self.model.encoder(x).chunk(2, dim=1)
-        z = mu + (0.5 * logvar).exp() * torch.randn_like(mu)
-        onehot = torch.zeros(x.shape[0], self.cfg.model.k_max, device=x.device)
-        onehot[:, 0] = 1.0
-        logits = self.model.decoder(torch.cat([z, onehot], dim=1))
-        recon = F.binary_cross_entropy_with_logits(logits, x, reduction="none").flatten(1).sum(1)
-        loss = mdl_loss(recon, kl_per_latent(mu, logvar).sum(1), capacity(self.step, self.cfg.objective),
-                        self.cfg.objective)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
-        self.step += 1
-        return float(loss.detach())
-
-
-@dataclass
-class Spec:
-    """A picklable description of one timed variant (built in this process or in the plain child)."""
-
-    key: str
-    label: str
-    preset: str
-    kind: str = "learner"  # "learner", "reference" or "loop"
-    ablation: str = "-"
-    overrides: tuple[str, ...] = ()
-    implementation: str = "fast"
-    n_envs: int = 0  # >0: prepare_environments(learner, n_envs)
-    process: str = "main"  # "main" (allocator tuned, current code) or "plain" (a fresh default process)
-    threads: int = 0  # >0: torch threads while this variant runs (0: the run's setting)
-    # The routes of the current code, or the earlier ones for before/after figures:
-    transposed_weight_grad: str = "swapped"  # conv_paths.TRANSPOSED_WEIGHT_GRAD
-    fused_adam: bool = True  # learner.FUSED_ADAM
 
 
 @contextmanager
@@ -319,99 +222,3 @@ class LoopTimer:
                 else:
                     delattr(obj, name)
         return rows
-
-
-# =====================================================================================================
-# The plain child process: the code as it was before the speed work, in a default process
-# =====================================================================================================
-def _worker_main() -> None:
-    """Child process loop (`python -c "from vase.bench_steps import _worker_main; _worker_main()"`): build
-    variants and time steps on request, pickled messages over stdin/stdout. glibc's allocator is left
-    at its defaults here (conv_paths.keep_freed_memory is not applied), as in a process that never tuned it."""
-    import pickle
-
-    conv_paths._allocator_tuned = True
-    # The protocol owns the original stdout; anything printed goes to stderr.
-    reply = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)
-    requests = sys.stdin.buffer
-    variants: dict[str, Variant] = {}
-    while True:
-        try:
-            msg = pickle.load(requests)
-        except EOFError:
-            return
-        try:
-            if msg[0] == "quit":
-                answer = ("ok", None)
-            elif msg[0] == "threads":
-                if msg[1] > 0:
-                    torch.set_num_threads(msg[1])
-                answer = ("ok", torch.get_num_threads())
-            elif msg[0] == "build":
-                variants[msg[1].key] = Variant(msg[1])
-                answer = ("ok", None)
-            elif msg[0] == "run":
-                answer = ("ok", variants[msg[1]].run(msg[2]))
-            elif msg[0] == "info":
-                answer = ("ok", variants[msg[1]].info())
-            else:
-                answer = ("error", f"unknown request {msg[0]!r}")
-        except Exception as e:  # report to the parent instead of hanging it
-            answer = ("error", f"{type(e).__name__}: {e}")
-        pickle.dump(answer, reply)
-        reply.flush()
-        if msg[0] == "quit":
-            return
-
-
-class PlainProcess:
-    """A fresh Python process running `_worker_main`; it runs only while this process waits for it, so
-    the two never compete for the cores."""
-
-    def __init__(self, threads: int):
-        import pickle
-
-        self._pickle = pickle
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", "from vase.bench_steps import _worker_main; _worker_main()"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        )
-        # The same thread count as this process (the library default is the same in both).
-        self.call("threads", threads if threads > 0 else torch.get_num_threads())
-
-    def call(self, *msg):
-        self._pickle.dump(msg, self.proc.stdin)
-        self.proc.stdin.flush()
-        try:
-            status, value = self._pickle.load(self.proc.stdout)
-        except EOFError:
-            raise RuntimeError(f"the bench child process exited (code {self.proc.poll()})") from None
-        if status != "ok":
-            raise RuntimeError(f"bench child process: {value}")
-        return value
-
-    def close(self) -> None:
-        try:
-            self.call("quit")
-        except (OSError, RuntimeError, EOFError):
-            pass
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
-class RemoteVariant:
-    def __init__(self, spec: Spec, plain: PlainProcess):
-        self.spec, self.plain = spec, plain
-        plain.call("build", spec)
-
-    def run(self, n: int) -> list[dict]:
-        return self.plain.call("run", self.spec.key, n)
-
-    def info(self) -> dict:
-        return self.plain.call("info", self.spec.key)
-
-

@@ -128,8 +128,8 @@ def evaluate_run(run_dir: Path, progress: bool = False, device: torch.device | s
             metrics.append(disentanglement_scores(envs, encode, stage, cfg.probe.seed))
     out = dict(stored) if stored else {
         "ablation": cfg.ablation(), "mode": cfg.objective.mode, "preset": cfg.preset,
-        "sequence": cfg.data.env_names(), "steps": int(files[-1].stem.split("-")[1]), "wall_time_s": float("nan"),
-        "environments_inferred": float("nan"), "environments_true": len(set(cfg.data.env_names())),
+        "sequence": cfg.data.sequence, "steps": int(files[-1].stem.split("-")[1]), "wall_time_s": float("nan"),
+        "environments_inferred": float("nan"), "environments_true": len(set(cfg.data.sequence)),
         "inferred_vs_true": [],
     }
     out["probes"] = suite.results()

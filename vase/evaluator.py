@@ -225,7 +225,7 @@ class Evaluator(Callback):
             "capacity_form": cfg.objective.capacity_form,
             "mode": cfg.objective.mode,
             "preset": cfg.preset,
-            "sequence": cfg.data.env_names(),
+            "sequence": cfg.data.sequence,
             "steps_per_env": cfg.data.env_steps(),
             "seed": cfg.train.seed,
             "steps": learner.step,
@@ -234,7 +234,7 @@ class Evaluator(Callback):
             # The route decides the last bits of every gradient, so it is part of what reproduces a run.
             "weight_gradients": kernels.route(cfg.model.weight_grad_kernel),
             "environments_inferred": learner.inference.n_envs,
-            "environments_true": len(set(cfg.data.env_names())),
+            "environments_true": len(set(cfg.data.sequence)),
             "inferred_vs_true": inferred,
             "inference_events": self.record.events,
             "pending_batches": self.record.pending,

@@ -7,7 +7,7 @@ results.json) are kept, interrupted ones continue from their last checkpoint wit
 a directory that holds a run of a *different* configuration is refused before anything starts.
 
 How the runs are executed is the business of `vase.grid_backends` (child processes here, or Ray
-tasks on a cluster); this module plans the runs and builds Table 1 from them (`vase.report`).
+tasks on a cluster); this module plans the runs and builds Table 1 from them (`vase.table1`).
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from pathlib import Path
 
 from vase.checkpoint import write_atomic
 from vase.config import CONFIG_VERSION, Config, build_config, load_run_config, option_overrides
+from vase.config_values import comma_list
 from vase.errors import ConfigError, VaseError
 
 # The rows of the paper's Table 1, in its order.
@@ -29,10 +30,19 @@ PAPER_SEQUENCE = "moving_fashion,mnist,moving_mnist"
 WHERE_NOT_WHAT = {"data.root", "data.download", "train.progress"}
 
 
+def _distinct(items: list, text: str, what: str, example: str) -> tuple:
+    """The items of a comma list, refused when there are none or one is named twice."""
+    if not items:
+        raise ConfigError(f"no {what}s given: use e.g. {example}")
+    if len(set(items)) != len(items):
+        raise ConfigError(f"{what} list {text!r} names a {what} twice")
+    return tuple(items)
+
+
 def parse_seeds(text: str) -> tuple[int, ...]:
     """'0-4' -> (0, 1, 2, 3, 4); '0,2,7' -> (0, 2, 7); both forms can be mixed ('0-2,5')."""
     seeds: list[int] = []
-    for part in (p.strip() for p in str(text).split(",")):
+    for part in comma_list(text):
         try:
             if "-" in part[1:]:
                 lo, hi = (int(v) for v in part.split("-", 1))
@@ -43,9 +53,7 @@ def parse_seeds(text: str) -> tuple[int, ...]:
                 seeds.append(int(part))
         except ValueError:
             raise ConfigError(f"bad seed list {text!r}: use numbers and ranges, e.g. 0-4 or 0,2,7") from None
-    if len(set(seeds)) != len(seeds):
-        raise ConfigError(f"seed list {text!r} names a seed twice")
-    return tuple(seeds)
+    return _distinct(seeds, text, "seed", "0-4 or 0,2,7")
 
 
 def parse_rows(text: str) -> tuple[str, ...]:
@@ -53,19 +61,15 @@ def parse_rows(text: str) -> tuple[str, ...]:
     if text.strip().lower() == "all":
         return TABLE1_ROWS
     rows = []
-    for part in (p.strip() for p in text.split(",") if p.strip()):
+    for part in comma_list(text):
         cfg = Config()
         cfg.set_ablation(part)  # raises a ConfigError naming the valid rows
         rows.append(cfg.ablation())
-    if not rows:
-        raise ConfigError("no Table 1 rows given: use e.g. SDA,- or all")
-    if len(set(rows)) != len(rows):
-        raise ConfigError(f"row list {text!r} names a row twice")
-    return tuple(rows)
+    return _distinct(rows, text, "row", "SDA,- or all")
 
 
 def parse_modes(text: str) -> tuple[str, ...]:
-    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    modes = tuple(comma_list(text))
     unknown = [m for m in modes if m not in MODES]
     if not modes or unknown or len(set(modes)) != len(modes):
         raise ConfigError(f"bad mode list {text!r}: use disentangled, entangled or both (comma-separated)")
@@ -208,6 +212,13 @@ def train_arguments(spec: GridSpec, run: GridRun, status: str) -> list[str]:
     return args
 
 
+def dry_run_lines(spec: GridSpec) -> list[str]:
+    """What `vase grid --dry-run` prints: each run, its status and the `vase train` command it needs."""
+    return [f"{status:6s} {run.name}: "
+            + ("kept" if status == DONE else "vase " + " ".join(train_arguments(spec, run, status)))
+            for run, status in plan(spec)]
+
+
 def prepare_data(spec: GridSpec, progress: bool = True) -> None:
     """Load (download, render and cache) the sequence once before the runs start, so that a missing
     file fails the grid at once and parallel runs do not render or download the same data side by side."""
@@ -221,7 +232,7 @@ def prepare_data(spec: GridSpec, progress: bool = True) -> None:
 # -- the table ---------------------------------------------------------------------------------------
 def write_table(spec: GridSpec, runs: list[GridRun]) -> str | None:
     """Table 1 of the finished runs, written to <root>/table1.txt and table1.json; None if none finished."""
-    from vase.report import load_results, table1_rows, table1_text
+    from vase.table1 import load_results, table1_rows, table1_text
 
     finished = [r.run_dir for r in runs if (r.run_dir / "results.json").is_file()]
     if not finished:

@@ -279,3 +279,21 @@ class RayBackend:
         finally:
             if started_here:
                 ray.shutdown()
+
+
+def backend_for(threads: int, workers: int | None = None, ray: bool = False, ray_address: str | None = None,
+                gpus: int = 0, runs_per_gpu: int = 1, device: str = "auto") -> LocalBackend | RayBackend:
+    """The backend that `vase grid`'s options ask for: Ray with `ray` or an address, else this machine.
+    Options that contradict each other are refused before anything starts (with --dry-run too)."""
+    if (ray or ray_address) and workers is not None:
+        raise VaseError("--workers is for runs on this machine; with --ray each run holds --threads CPUs "
+                        "and Ray decides how many run at once")
+    if gpus and (ray or ray_address or workers is not None):
+        raise VaseError("--gpus places runs on this machine's GPUs (--runs-per-gpu at a time on each); "
+                        "drop --workers, and with --ray use --runs-per-gpu alone")
+    if ray or ray_address:
+        # The driver may have no GPU while the cluster's nodes do: decide from the options alone.
+        gpu_share = 1.0 / runs_per_gpu if device.startswith("cuda") or runs_per_gpu > 1 else 0.0
+        return RayBackend(threads, ray_address, gpu_share)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return LocalBackend(workers or max(1, cores // threads), gpus=gpus, runs_per_gpu=runs_per_gpu)

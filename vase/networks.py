@@ -43,7 +43,7 @@ class Encoder(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        chans = cfg.channel_list()
+        chans = cfg.channels
         self.convs = _conv_stack([cfg.image_channels, *chans], transposed=False)
         self.fc = nn.Linear(chans[-1] * FEATURE_SIZE * FEATURE_SIZE, cfg.hidden)
         self.head = nn.Linear(cfg.hidden, 2 * cfg.latents)
@@ -66,7 +66,7 @@ class Decoder(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        chans = cfg.channel_list()
+        chans = cfg.channels
         self.k_max = cfg.k_max
         self.top_channels = chans[-1]
         self.fc1 = nn.Linear(cfg.latents + cfg.k_max, cfg.hidden)

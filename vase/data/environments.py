@@ -97,7 +97,7 @@ def load_environment(name: str, split: str, cfg: DataConfig, progress: bool = Tr
 
 def load_sequence(cfg: DataConfig, split: str, progress: bool = True) -> list[Environment]:
     """The environments of ``cfg.sequence`` in order; every name is checked before any loading."""
-    names = cfg.env_names()
+    names = cfg.sequence
     for name in names:
         _spec(name)
     _check_split(split)

@@ -15,7 +15,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from vase.metrics.continual import ACCURACY, MSE, kind_of
-from vase.report import latent_union
+from vase.summary import latent_union
 
 FIGSIZE = (7.0, 5.0)
 DPI = 100

@@ -1,0 +1,101 @@
+"""The config: list settings as lists, read once from command-line text, and old run directories."""
+import json
+
+import pytest
+
+from vase.config import Config, build_config, load_run_config, option_overrides
+from vase.config_migrations import MIGRATIONS, migrate
+from vase.errors import ConfigError
+
+LISTS = ("data.sequence", "data.steps_per_env", "model.channels")
+
+
+def _a_config() -> Config:
+    return build_config("paper", ["data.sequence=moving_fashion,mnist", "data.steps_per_env=300,500"], "SD")
+
+
+def _as_comma_text(saved: dict) -> dict:
+    """A config.json as releases before list settings wrote it: every list as comma text."""
+    for path in LISTS:
+        section, key = path.split(".")
+        saved[section][key] = ",".join(str(v) for v in saved[section][key])
+    return saved
+
+
+def test_list_settings_are_lists_and_saved_as_json_lists(tmp_path):
+    cfg = _a_config()
+    assert cfg.data.sequence == ["moving_fashion", "mnist"]
+    assert cfg.data.steps_per_env == [300, 500] and cfg.model.channels == [64, 64, 128, 128]
+    saved = json.loads(cfg.to_json())
+    assert saved["data"]["sequence"] == ["moving_fashion", "mnist"] and saved["model"]["channels"] == [64, 64, 128, 128]
+    (tmp_path / "config.json").write_text(cfg.to_json())
+    assert load_run_config(tmp_path) == cfg
+
+
+def test_a_config_json_with_comma_text_lists_loads_to_the_same_config(tmp_path):
+    cfg = _a_config()
+    old = _as_comma_text(json.loads(cfg.to_json()))
+    assert old["data"]["sequence"] == "moving_fashion,mnist" and old["model"]["channels"] == "64,64,128,128"
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    assert load_run_config(tmp_path) == cfg
+    assert json.loads((tmp_path / "config.json").read_text()) == old  # read, never rewritten
+
+
+def test_one_step_count_given_as_text_stands_for_every_environment(tmp_path):
+    cfg = build_config("cpu", ["data.steps_per_env=40"])
+    old = _as_comma_text(json.loads(cfg.to_json()))
+    assert old["data"]["steps_per_env"] == "40"
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    loaded = load_run_config(tmp_path)
+    assert loaded == cfg and loaded.data.env_steps() == [40, 40, 40]
+
+
+def test_migrations_only_fill_or_convert_and_leave_their_input_alone():
+    saved = json.loads(build_config("cpu").to_json())
+    assert migrate(saved) == saved  # a config.json of this release needs nothing
+    del saved["objective"]["capacity_form"]
+    saved["model"]["channels"] = "8,8,8,8"
+    migrated = migrate(saved)
+    assert migrated["objective"]["capacity_form"] == "absolute"
+    assert migrated["model"]["channels"] == ["8", "8", "8", "8"]
+    assert "capacity_form" not in saved["objective"] and saved["model"]["channels"] == "8,8,8,8"
+    assert set(LISTS) <= set(MIGRATIONS)
+
+
+@pytest.mark.parametrize("assignment, field, value", [
+    ("data.sequence=moving_fashion, mnist ,moving_mnist", "sequence", ["moving_fashion", "mnist", "moving_mnist"]),
+    ("data.sequence=shapes_a", "sequence", ["shapes_a"]),
+    ("data.steps_per_env=10,20,30", "steps_per_env", [10, 20, 30]),
+    ("data.steps_per_env=7", "steps_per_env", [7]),
+])
+def test_set_reads_a_list_from_comma_text(assignment, field, value):
+    assert getattr(build_config("cpu", [assignment]).data, field) == value
+
+
+def test_the_train_options_give_the_same_lists():
+    sets = option_overrides("moving_fashion,mnist", "5,6")
+    assert sets == ["data.sequence=moving_fashion,mnist", "data.steps_per_env=5,6"]
+    cfg = build_config("cpu", sets)
+    assert cfg.data.sequence == ["moving_fashion", "mnist"] and cfg.data.env_steps() == [5, 6]
+    assert build_config("cpu", ["model.channels=8,8,16,16"]).model.channels == [8, 8, 16, 16]
+
+
+@pytest.mark.parametrize("assignment, message", [
+    ("model.channels=8,x,8,8", "model.channels must be a comma-separated list of integers, got '8,x,8,8'"),
+    ("model.channels=8,8", r"model.channels must be 4 positive integers, got \[8, 8\]"),
+    ("model.channels=8,8,0,8", "model.channels must be 4 positive integers"),
+    ("data.steps_per_env=1.5", "data.steps_per_env must be a comma-separated list of integers, got '1.5'"),
+    ("data.steps_per_env=10,20", "data.steps_per_env has 2 entries but the sequence has 3 environments"),
+    ("data.steps_per_env=", "data.steps_per_env has 0 entries"),
+    ("data.sequence= , ", "data.sequence is empty"),
+])
+def test_bad_list_values_are_refused_clearly(assignment, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config("cpu", [assignment])
+
+
+def test_a_json_list_setting_must_be_a_list():
+    with pytest.raises(ConfigError, match="model.channels must be a list of integers, got '8,8,8,8'"):
+        Config.from_dict({"model": {"channels": "8,8,8,8"}})
+    with pytest.raises(ConfigError, match=r"data.steps_per_env must be a list of integers, got \['many'\]"):
+        Config.from_dict({"data": {"steps_per_env": ["many"]}})

@@ -1,0 +1,78 @@
+"""What makes a config impossible to train: every such setting, each with one clear message."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vase.config_sections import RULE_SETS
+from vase.errors import ConfigError
+
+if TYPE_CHECKING:
+    from vase.config import Config
+
+
+def problems(cfg: Config) -> list[str]:
+    """One message per impossible setting of `cfg`; [] when it can be trained."""
+    errs = []
+    if cfg.mask.lambda_low >= cfg.mask.lambda_high:
+        errs.append(
+            f"mask.lambda_low ({cfg.mask.lambda_low}) must be < mask.lambda_high ({cfg.mask.lambda_high})"
+        )
+    if cfg.train.batch_size <= 0:
+        errs.append("train.batch_size must be positive")
+    if cfg.imagination.batch_size <= 0 or cfg.imagination.weight < 0:
+        errs.append("imagination.batch_size must be positive and imagination.weight >= 0")
+    if cfg.dream.batch_size <= 0:
+        errs.append("dream.batch_size must be positive")
+    if cfg.model.k_max < 1:
+        errs.append("model.k_max must be at least 1")
+    if cfg.objective.gamma < 0:
+        errs.append("objective.gamma must be >= 0")
+    if cfg.objective.aggregate_weight < 0:
+        errs.append("objective.aggregate_weight must be >= 0")
+    if cfg.objective.fresh_aggregate_weight < 0:
+        errs.append("objective.fresh_aggregate_weight must be >= 0")
+    if cfg.objective.capacity_form not in ("squared", "absolute"):
+        errs.append(
+            f"objective.capacity_form must be 'squared' or 'absolute', got {cfg.objective.capacity_form!r}"
+        )
+    if cfg.inference.rules not in RULE_SETS:
+        errs.append(f"inference.rules must be one of {', '.join(RULE_SETS)}, got {cfg.inference.rules!r}")
+    if cfg.objective.mode not in ("disentangled", "entangled"):
+        errs.append("objective.mode must be 'disentangled' or 'entangled'")
+    if cfg.objective.capacity_ramp_steps < 0:
+        errs.append("objective.capacity_ramp_steps must be >= 0")
+    if cfg.objective.new_env_ramp_steps < 0:
+        errs.append("objective.new_env_ramp_steps must be >= 0")
+    if not 0.0 <= cfg.mask.ema < 1.0 or not 0.0 <= cfg.inference.error_ema < 1.0:
+        errs.append("mask.ema and inference.error_ema must be in [0, 1)")
+    if cfg.inference.kappa <= 0 or cfg.inference.error_margin < 0:
+        errs.append("inference.kappa must be > 0 and inference.error_margin >= 0")
+    if cfg.inference.relied_kl <= 0 or cfg.inference.foreign_use <= 0:
+        errs.append("inference.relied_kl and inference.foreign_use must be > 0")
+    if cfg.inference.patience < 1:
+        errs.append("inference.patience must be at least 1")
+    if cfg.dream.snapshot_every < 1:
+        errs.append("dream.snapshot_every must be at least 1")
+    for name in ("checkpoint_every", "log_every", "image_every"):
+        if getattr(cfg.train, name) < 1:
+            errs.append(f"train.{name} must be at least 1")
+    if cfg.probe.every < 1 or cfg.probe.train_size < 2 or cfg.probe.test_size < 1:
+        errs.append("probe.every, probe.train_size and probe.test_size must be positive")
+    if cfg.probe.reading not in ("mean", "sample"):
+        errs.append(f"probe.reading must be 'mean' or 'sample', got {cfg.probe.reading!r}")
+    if not cfg.data.sequence:
+        errs.append("data.sequence is empty")
+    try:
+        if any(s <= 0 for s in cfg.data.env_steps()):
+            errs.append("data.steps_per_env must be positive")
+    except ConfigError as e:
+        errs.append(str(e))
+    if len(cfg.model.channels) != 4 or any(c <= 0 for c in cfg.model.channels):
+        errs.append(f"model.channels must be 4 positive integers, got {cfg.model.channels}")
+    if cfg.model.latents < 1:
+        errs.append("model.latents must be at least 1")
+    if cfg.train.precision not in ("fp32", "bf16"):
+        errs.append(f"train.precision must be 'fp32' or 'bf16', got {cfg.train.precision!r}")
+    if cfg.model.weight_grad_kernel not in ("native", "onednn"):
+        errs.append(f"model.weight_grad_kernel must be 'native' or 'onednn', got {cfg.model.weight_grad_kernel!r}")
+    return errs

@@ -1,0 +1,47 @@
+"""How a run directory's config.json, written by an earlier release, reads today.
+
+One table, MIGRATIONS: for each setting whose saved form changed, or that was added with a default
+other than what earlier runs did, the rule that turns what such a config.json holds into what
+those runs trained with. A new field whose default reproduces the old behaviour needs no entry:
+the dataclass default fills it.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from vase.config_values import comma_list
+
+MISSING = object()  # the setting is not in the config.json at all
+
+
+def added(value: Any) -> Callable[[Any], Any]:
+    """A setting added after runs were made: a config.json without it gets `value`."""
+    return lambda saved: value if saved is MISSING else saved
+
+
+def comma_text(saved: Any) -> Any:
+    """A list setting saved as comma text ("32,32,32,32"), as every list was before lists were JSON."""
+    return comma_list(saved) if isinstance(saved, str) else saved
+
+
+MIGRATIONS: dict[str, Callable[[Any], Any]] = {
+    "model.weight_grad_kernel": added("onednn"),  # oneDNN computed the weight gradients before the kernel
+    "objective.new_env_ramp_steps": added(0),  # every environment met C(t) at once
+    "objective.fresh_aggregate_weight": added(0.0),  # no fresh-latent penalty
+    "objective.capacity_form": added("absolute"),  # the CCI-VAE's |KL - C|
+    "data.sequence": comma_text,
+    "data.steps_per_env": comma_text,
+    "model.channels": comma_text,
+}
+
+
+def migrate(saved: dict[str, Any]) -> dict[str, Any]:
+    """A config.json's content as this release reads it (`saved` itself is left as it is)."""
+    out = {key: dict(value) if isinstance(value, dict) else value for key, value in saved.items()}
+    for path, rule in MIGRATIONS.items():
+        section, key = path.split(".")
+        if isinstance(out.get(section), dict):
+            value = rule(out[section].get(key, MISSING))
+            if value is not MISSING:
+                out[section][key] = value
+    return out

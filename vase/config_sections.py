@@ -1,0 +1,202 @@
+"""The sections of a VASE run's config: one dataclass per section, one field per setting.
+
+Every number the paper leaves unpublished is a named field here, tagged in its comment with where
+it comes from ([paper], [appendix], [related], [ours]) as in docs/method.md. `vase.config.Config`
+gathers the sections; a setting is written ``section.field`` (``--set model.latents=10``).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vase.errors import ConfigError
+
+DATA_ROOT_ENV = "VASE_DATA_ROOT"
+DEFAULT_DATA_ROOT = "datasets"
+
+
+@dataclass
+class DataConfig:
+    # Environment names, trained in this order (docs/usage.md, data); an environment may return.
+    sequence: list[str] = field(default_factory=lambda: ["moving_shapes_a", "shapes_b", "moving_shapes_b"])
+    # Training steps per environment: one number for all, or one per environment.
+    steps_per_env: list[int] = field(default_factory=lambda: [1200])
+    # Where downloaded, imported and cached data lives; VASE_DATA_ROOT overrides the default.
+    root: str = ""
+    download: bool = False
+    # Pre-rendered training images per sprite environment (rendered once, cached under root).
+    sprite_train_size: int = 20000
+    sprite_test_size: int = 2000
+    # Shapes per sprite set; sets A and B are disjoint [ours].
+    shapes_per_set: int = 3
+    # Factor grid resolution of the sprite renderer; scale/orientation vary only if enabled [ours].
+    sprite_vary_scale: bool = False
+    sprite_vary_orientation: bool = False
+    # Seed of the procedural shapes and of the moving-digit offsets (the data, not the training).
+    data_seed: int = 0
+
+    def resolved_root(self) -> Path:
+        return Path(self.root or os.environ.get(DATA_ROOT_ENV) or DEFAULT_DATA_ROOT)
+
+    def env_steps(self) -> list[int]:
+        """The steps of each environment of the sequence (one number given stands for all)."""
+        steps = self.steps_per_env * len(self.sequence) if len(self.steps_per_env) == 1 else self.steps_per_env
+        if len(steps) != len(self.sequence):
+            raise ConfigError(
+                f"data.steps_per_env has {len(steps)} entries but the sequence has {len(self.sequence)} environments"
+            )
+        return list(steps)
+
+
+@dataclass
+class ModelConfig:
+    # Conv channels of the 4 encoder convs (decoder mirrors them). paper: 64,64,128,128 [appendix].
+    channels: list[int] = field(default_factory=lambda: [32, 32, 32, 32])
+    hidden: int = 256  # fc width [appendix]
+    latents: int = 24  # [appendix]
+    k_max: int = 8  # environment slots of the decoder one-hot and the classifier [ours]
+    image_channels: int = 1
+    # channels_last is several times faster for some conv shapes on CPU (docs/method.md, networks, measured by bench).
+    channels_last: bool = True
+    # Who computes the convs' weight gradients [ours, speed]: "native", our AVX2 kernel
+    # (vase/kernels; oneDNN where it cannot be built or a layer has no 16k channels), or "onednn".
+    # The same function; on AVX2 machines the same bits too (docs/benchmarks.md, item 9). Elsewhere
+    # the sums may differ in the last bits, so the value is part of what reproduces a run (runs
+    # from before this field existed used "onednn").
+    weight_grad_kernel: str = "native"
+
+
+@dataclass
+class ObjectiveConfig:
+    # "disentangled": eq. 3 capacity objective; "entangled": plain VAE, beta = 1 (Table 1).
+    mode: str = "disentangled"
+    gamma: float = 100.0  # [appendix, quoted elsewhere]; Burgess et al. use 1000 (absolute form)
+    # The capacity term: "squared", gamma |KL - C|^2 as eq. 8 and the poster write it, or
+    # "absolute", gamma |KL - C| as Burgess et al. (CCI-VAE) [paper; choice: docs/method.md].
+    capacity_form: str = "squared"
+    capacity_max: float = 25.0  # nats [related]
+    # Linear ramp of C(t) over the global step (a pure function of the step) [ours].
+    capacity_ramp_steps: int = 3000
+    # [ours, beyond the paper] Weight, in units of gamma, of the current environment's summed
+    # atypicality (eq. 4) over its unmasked latents. Eq. 3 is blind to how KL splits into
+    # information and aggregate-posterior shift (KL = I(x;z) + alpha); the paper assumes
+    # E_x q(z|x) ~ p(z) after training (§3.3). 0 is the paper's eq. 3.
+    aggregate_weight: float = 0.0
+    # [ours, beyond the paper] The same penalty, but only in an environment allocated after the
+    # first and only on its fresh latents (unmasked, and used by no other environment). Such a
+    # slot, its known latents masked, meets C in fresh latents faster by narrowing or shifting
+    # their posteriors alike for every image than by learning a factor: KL without information,
+    # which leaves them neither spare nor informative. With weight 1 and the absolute capacity term
+    # that costs exactly what it earns there, so C must be met with information (the squared term
+    # pays 2 gamma |KL - C| per nat, so weight 1 cancels it only where |KL - C| = 1/2); measured on the digits (most
+    # latents spare in 6 seeds of 10, against 4 with 0) and the sprites in docs/method.md.
+    # 0 is eq. 3 alone, the release before.
+    fresh_aggregate_weight: float = 1.0
+    # [ours] A newly allocated environment's own capacity ramp, in steps from 0 to C_max: its
+    # target starts from the KL it carries when allocated and climbs at this slope, never above
+    # C(t). Without it (0, eq. 3 read literally) a new environment whose known latents are masked
+    # must find C(t) nats at once, and on the digits one did so by collapsing the shared encoder
+    # (docs/method.md). The first environment follows C(t) itself.
+    new_env_ramp_steps: int = 1000
+
+
+@dataclass
+class MaskConfig:
+    # A: atypicality mask (eq. 4-5) with hysteresis lambda1 < lambda2 [ours, calibrated].
+    enabled: bool = True
+    lambda_low: float = 0.3
+    lambda_high: float = 1.0
+    # EMA of alpha over recent batches before thresholding (0 = no smoothing) [ours].
+    ema: float = 0.9
+
+
+# Named rule sets of environment inference (docs/method.md, "Rules beyond eq. 6"): "paper" is eq. 3
+# and eq. 6 as written, with the spec's debouncing (patience) and eq. 5's hysteresis; "vase" adds
+# the named rules of `vase.inference`.
+RULE_SETS = ("vase", "paper")
+
+
+@dataclass
+class InferenceConfig:
+    # S: environment inference (eq. 6).
+    enabled: bool = True
+    rules: str = "vase"  # a name from RULE_SETS
+    kappa: float = 2.0  # reconstruction threshold multiple [ours, calibrated: docs/method.md]
+    # Additive slack of the threshold, kappa * L_s + margin, in nats per image [ours]: once an
+    # environment is learnt to ~1 nat (three static sprites), kappa * L alone is batch noise.
+    error_margin: float = 25.0
+    patience: int = 10  # consecutive "new" verdicts before allocating [ours]
+    error_ema: float = 0.95  # running reconstruction error L_s [ours]
+    # A latent counts as "used" by an environment when it carries more than this many nats of
+    # information: KL minus atypicality, an estimate of I(x; z_n) [ours].
+    used_kl: float = 0.1
+    # Re-identifying a PAST environment s also needs the batch's latent usage to agree with s's
+    # [ours]: a latent s does not use, that another environment relies on (usage above
+    # relied_kl nats), must not carry more than foreign_use times that usage on this batch.
+    relied_kl: float = 1.0
+    foreign_use: float = 0.5
+    # While a switch back into a past environment is on probation, the mask test (rule 3) counts
+    # as relied on only the latents it used before the switch [ours]: its smoothed alpha of a
+    # latent it starts using now is stale, from before it left.
+    probation_relies_on_past_usage: bool = False
+    classifier_lr: float = 1e-3
+    # Steps after an allocation during which no further allocation happens [ours].
+    cooldown: int = 200
+
+
+@dataclass
+class DreamConfig:
+    # D: dreaming feedback (eq. 7).
+    enabled: bool = True
+    decoder_term: bool = True  # False gives the SD-[41] variant
+    snapshot_every: int = 1000  # tau [paper: a hyperparameter; value ours]
+    batch_size: int = 32
+    # Weights of eq. 7's two terms [ours; unpublished]. A decoder weight of 10 makes the older
+    # slots forget less, but a slot that keeps its data well also accepts new data: on the digits
+    # moving MNIST then joined moving Fashion's slot in 3 of 10 seeds (none at 1). Both at 10 merged
+    # the sprites (docs/method.md, "A heavier dream decoder term").
+    encoder_weight: float = 1.0
+    decoder_weight: float = 1.0
+
+
+@dataclass
+class ImaginationConfig:
+    # Imagination-driven exploration (the paper's Fig. 5B; its appendix A.4 is unpublished, so the
+    # design is ours: docs/method.md, "Imagination"). Off in every Table 1 row.
+    enabled: bool = False
+    batch_size: int = 16  # imagined images per step, drawn from the current batch's codes
+    weight: float = 1.0  # of the encoder's consistency on them, in nats like eq. 7's encoder term
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 64
+    lr: float = 5e-4  # Adam [related: Burgess et al.]
+    seed: int = 0
+    threads: int = 0  # torch threads; 0 = library default
+    # Arithmetic of the forward passes: "fp32", or "bf16" autocast (losses stay float32). Measured
+    # by `vase bench --device`; fp32 is the default everywhere (docs/devices.md).
+    precision: str = "fp32"
+    # torch.compile the encoder's and decoder's forward passes (measured by `vase bench --device`).
+    compile: bool = False
+    # Deterministic kernels on accelerators (cuDNN, cuBLAS); the CPU path is deterministic as is.
+    deterministic: bool = False
+    checkpoint_every: int = 1000
+    log_every: int = 50
+    image_every: int = 500
+    progress: bool = True
+
+
+@dataclass
+class ProbeConfig:
+    enabled: bool = True
+    every: int = 1000  # P: probe interval in steps [ours]
+    train_size: int = 2000
+    test_size: int = 1000
+    seed: int = 1234
+    # What the probes read (docs/probes.md): "mean", mu(x) of every latent [ours]; or "sample", the
+    # paper's reading: z drawn from the masked posterior (eq. 2) under the slot the classifier
+    # picks, masked latents as prior noise.
+    reading: str = "mean"
+

@@ -1,0 +1,121 @@
+"""What `vase train` and `vase eval` print for one run: its summary, read from its results."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _duration(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m}m{s:02d}s"
+
+
+def summary_text(results: dict, run_dir: Path) -> str:
+    lines = [
+        f"VASE run: ablation {results['ablation']} ({results['mode']}), preset {results['preset']}, "
+        f"{results['steps']} steps in {_duration(results['wall_time_s'])}",
+        f"environments inferred: {results['environments_inferred']} (distinct true environments: "
+        f"{results['environments_true']})",
+        f"  {'true environment':<18} {'inferred':>8} {'share':>6} {'delay':>7}",
+    ]
+    for row in results["inferred_vs_true"]:
+        lines.append(
+            f"  {row['true_env']:<18} {row['inferred_env']:>8} {row['share']:>6.2f} {row['delay_steps']:>7}"
+        )
+    matrix = results.get("heldout_reconstruction_matrix") or []
+    if matrix:
+        names = results["sequence"]
+        lines.append("held-out reconstruction error (nats/image) of each environment after each stage:")
+        lines.append("  " + " " * 18 + "".join(f"{'after ' + str(j + 1):>10}" for j in range(len(matrix))))
+        for i, name in enumerate(names):
+            lines.append(f"  {name:<18}" + "".join(f"{row[i]:>10.1f}" for row in matrix))
+    cross = results.get("cross_domain_errors") or []
+    if cross:
+        lines.append("held-out reconstruction error (nats/image) of each environment under each slot at the end "
+                     "(cross-domain, Fig. 4B; * the slot it trained under):")
+        lines.append("  " + " " * 18 + "".join(f"{'slot ' + str(s):>10}" for s in range(len(cross[0]))))
+        for env, row in zip(results["inferred_vs_true"], cross):
+            cells = [f"{e:.1f}" + ("*" if env["inferred_env"] == s else " ") for s, e in enumerate(row)]
+            lines.append(f"  {env['true_env']:<18}" + "".join(f"{c:>10}" for c in cells))
+    use = results.get("latent_use") or []
+    if use:
+        n = len(use[0]["kl_per_latent"])
+        used = latent_union(use, "used_in_training")
+        heading = "latent use (information above inference.used_kl):"
+        lines.append(heading if used is None
+                     else f"{heading} {len(used)}/{n} latents used by some slot while it trained")
+        readings = used_at_thresholds(use)
+        if readings is not None:
+            lines.append("  the same count at other thresholds (usage above "
+                         + " / ".join(f"{t:g}" for t in readings) + " nat): "
+                         + " / ".join(str(c) for c in readings.values()))
+        informative = latent_union(use, "informative")
+        if informative is not None:
+            lines.append(
+                f"  {len(informative)}/{n} latents carry information (KL minus atypicality above used_kl) "
+                "in some environment's slot at the end"
+            )
+        for row in use:
+            trained = f"used {row['used_in_training']}, " if "used_in_training" in row else ""
+            info = f", informative {row['informative']}" if "informative" in row else ""
+            lines.append(
+                f"  {row['true_env']:<18} slot {row['slot']}: {trained}masked {row['masked']}; "
+                f"active on its held-out images now: {len(row['active'])}/{n}{info}"
+            )
+            if row.get("factor_latents"):
+                strongest = "; ".join(
+                    f"{name} " + ", ".join(f"z{latent} {r:.2f}" for latent, r in pairs)
+                    for name, pairs in row["factor_latents"].items()
+                )
+                lines.append(f"  {'':<18} strongest latents per factor (|r| of the posterior sample): {strongest}")
+        # A slot can meet its capacity target with means shifted alike for every image: KL without
+        # information (docs/method.md). With none informative, the representation of that
+        # environment has collapsed, whatever the loss curve says; say so where it is read.
+        empty = [row["true_env"] for row in use if row.get("informative") == []]
+        if empty:
+            lines.append(
+                f"  warning: no latent carries information for {', '.join(empty)} at the end (posterior "
+                "collapse: the slot's KL is shifted means, not information)"
+            )
+    probes = results.get("probes")
+    if probes:
+        from vase.metrics.continual import format_table1_row, table1_header
+
+        final = probes["history"][-1]["values"] if probes.get("history") else {}
+        if final:
+            lines.append("final probes: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(final.items())))
+        lines.append("Table 1 row:")
+        lines.append("  " + table1_header())
+        lines.append("  " + format_table1_row(probes["table1"], results["ablation"]))
+    for boundary in results.get("disentanglement", []):
+        for env, scores in boundary["scores"].items():
+            lines.append(
+                f"disentanglement after stage {boundary['stage'] + 1} on {env}: "
+                + ", ".join(f"{k} {v:.3f}" for k, v in scores.items())
+            )
+    lines.append(f"results: {run_dir / 'results.json'}")
+    lines.append(f"TensorBoard: tensorboard --logdir {run_dir / 'tb'}")
+    return "\n".join(lines)
+
+
+def latent_union(use: list[dict], field: str) -> list[int] | None:
+    """The latents listed under `field` in any slot's latent-use row; None when some row lacks the
+    field (results.json of runs from older versions) or there are no rows."""
+    if not use or not all(field in row for row in use):
+        return None
+    return sorted({z for row in use for z in row[field]})
+
+
+# Thresholds (nats of information) at which the summary also counts the latents used. Eq. 5's
+# "spare" latent is one with q(z_n|x) = p(z_n); the paper does not say how it counts its 8 of 24,
+# and a latent carrying 0.2 nat is a different thing from one carrying 3, so one reading hides how
+# much of the count is weak use.
+USAGE_READINGS = (0.1, 0.25, 0.5, 1.0)
+
+
+def used_at_thresholds(use: list[dict]) -> dict[float, int] | None:
+    """How many latents some slot used while it trained (its running usage, `usage_per_latent`),
+    counted above each of USAGE_READINGS; None for results.json of runs from older versions."""
+    if not use or not all("usage_per_latent" in row for row in use):
+        return None
+    peak = [max(col) for col in zip(*(row["usage_per_latent"] for row in use))]
+    return {t: sum(u > t for u in peak) for t in USAGE_READINGS}

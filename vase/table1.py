@@ -1,0 +1,130 @@
+"""Table 1 from several finished runs: their results.json grouped into rows, mean and std over seeds.
+
+`vase table` and `vase grid` print it as text (`table1_text`); `vase.report` writes it as markdown.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from vase.summary import latent_union
+
+
+def load_results(run_dirs: list[Path]) -> list[dict]:
+    """The results.json of each finished run, with a clear error for a folder that is not one."""
+    from vase.errors import VaseError
+
+    out = []
+    for run_dir in run_dirs:
+        path = Path(run_dir) / "results.json"
+        try:
+            out.append(json.loads(path.read_text()))
+        except FileNotFoundError as e:
+            raise VaseError(f"{path} not found: is {run_dir} a finished vase run?") from e
+        except ValueError as e:
+            raise VaseError(f"{path} is not valid JSON ({e})") from e
+    return out
+
+
+def _reading(result: dict) -> str:
+    """What the run's probes read: "mean" (mu of every latent) or "sample" (the paper's reading)."""
+    return (result.get("probes") or {}).get("reading", "mean")
+
+
+def row_label(result: dict) -> str:
+    """A Table 1 row's name: the ablation, the rule set where inference runs with another than the
+    default (`inference.rules`), and the capacity term where results.json says it was the absolute
+    value rather than eq. 8's square (`objective.capacity_form`)."""
+    rules = result.get("rules", "vase")
+    notes = [f"{rules} rules"] if "S" in result["ablation"] and rules != "vase" else []
+    if result.get("mode") != "entangled" and result.get("capacity_form") == "absolute":
+        notes.append("absolute capacity term")
+    return result["ablation"] + (f" ({', '.join(notes)})" if notes else "")
+
+
+def table1_rows(results: list[dict]) -> list[dict]:
+    """Table 1 from several runs: one row per (mode, ablation and rule set, sequence, preset, steps),
+    the four numbers as mean and std over that group's seeds (docs/probes.md), and the latent-use counts per
+    seed. Runs of another length or network are another experiment, so they never share a row."""
+    from vase.metrics.continual import mean_std_over_seeds
+
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        key = (r["mode"], row_label(r), ",".join(r["sequence"]), r.get("preset"), str(r.get("steps_per_env")),
+               _reading(r))
+        groups.setdefault(key, []).append(r)
+    rows = []
+    for (mode, ablation, sequence, _, _, reading), runs in groups.items():
+        mean, std = mean_std_over_seeds([r["probes"]["table1"] for r in runs])
+        rows.append({
+            "mode": mode, "ablation": ablation, "sequence": sequence,
+            "seeds": [r["seed"] for r in runs], "mean": mean, "std": std,
+            "environments_inferred": [r["environments_inferred"] for r in runs],
+            "environments_true": [r.get("environments_true") for r in runs],
+            "latents_used": [_count(latent_union(r.get("latent_use") or [], "used_in_training")) for r in runs],
+            "latents_informative": [_count(latent_union(r.get("latent_use") or [], "informative")) for r in runs],
+            "preset": [r.get("preset") for r in runs],
+            "reading": reading,
+            "steps_per_env": [r.get("steps_per_env") for r in runs],
+            "heldout": _heldout_over_seeds([heldout_retention(r) for r in runs]),
+        })
+    return rows
+
+
+def heldout_retention(result: dict) -> list[dict]:
+    """Each environment of the sequence but the last: its held-out reconstruction error (nats per
+    image) just after its own stage, at the end under the slot it trained in, and their ratio.
+
+    The ratio is how much of what that slot learnt it kept: the decoder's side of forgetting, which
+    the probes (encoder only) do not see. After its stage the error is read under the classifier's
+    pick, which is then that slot. The last environment is left out, as Table 1's CHANGE leaves it
+    out: its two readings are taken at the same step. [] for results.json without the matrices."""
+    matrix = result.get("heldout_reconstruction_matrix") or []
+    cross = result.get("cross_domain_errors") or []
+    rows = []
+    for i, env in enumerate((result.get("inferred_vs_true") or [])[:-1]):
+        if i >= len(matrix) or i >= len(cross):
+            break
+        after, end = matrix[i][i], cross[i][env["inferred_env"]]
+        rows.append({"env": env["true_env"], "after_stage": after, "end_own_slot": end,
+                     "ratio": end / after if after > 0 else math.nan})
+    return rows
+
+
+def _heldout_over_seeds(per_run: list[list[dict]]) -> list[dict]:
+    """heldout_retention of several seeds of one sequence: mean and std of each number per stage."""
+    from vase.metrics.continual import nanmean, nanstd
+
+    out = []
+    for stage in zip(*per_run):
+        row = {"env": stage[0]["env"]}
+        for key in ("after_stage", "end_own_slot", "ratio"):
+            values = [r[key] for r in stage]
+            row[key] = {"mean": nanmean(values), "std": nanstd(values)}
+        out.append(row)
+    return out
+
+
+def _count(latents: list[int] | None) -> int | None:
+    return None if latents is None else len(latents)
+
+
+def table1_text(rows: list[dict]) -> str:
+    from vase.metrics.continual import format_table1_row, table1_header
+
+    lines = []
+    for mode, sequence in sorted({(row["mode"], row["sequence"]) for row in rows}):
+        lines.append(f"{mode}, {sequence}:")
+        lines.append("  " + table1_header() + " | seeds | envs inferred | latents used / informative")
+        for row in (r for r in rows if (r["mode"], r["sequence"]) == (mode, sequence)):
+            single = len(row["seeds"]) == 1
+            cells = format_table1_row(row["mean"], row["ablation"], None if single else row["std"])
+            used = "/".join("?" if n is None else str(n) for n in row["latents_used"])
+            info = "/".join("?" if n is None else str(n) for n in row["latents_informative"])
+            envs = "/".join(str(n) for n in row["environments_inferred"])
+            lines.append(f"  {cells} | {','.join(map(str, row['seeds']))} | {envs} | {used} / {info}")
+            if len(set(row["seeds"])) < len(row["seeds"]):
+                lines.append(f"  note: {row['ablation']} has repeated seeds; are two runs the same experiment?")
+    lines.append("mean (±std) over seeds; per-seed values are separated by '/'")
+    return "\n".join(lines)
