@@ -161,10 +161,11 @@ def test_builds_unused_for_a_month_are_pruned_and_recent_ones_kept(tmp_path):
 
 
 @needs_kernel
-@pytest.mark.parametrize("setting", ["native", "onednn"])
-def test_the_model_routes_its_wide_layers_as_configured(setting, monkeypatch):
+@pytest.mark.parametrize("preset, setting", [("paper", "native"), ("paper", "onednn"), ("cpu", "native")])
+def test_the_model_routes_its_wide_layers_as_configured(preset, setting, monkeypatch):
     """model.weight_grad_kernel = "native": every conv of the paper network but the one-channel
-    ones gets its weight gradient from us; "onednn": none does."""
+    ones gets its weight gradient from us; "onednn": none does; the cpu preset's 32-channel layers,
+    where the kernel gains nothing, never do."""
     calls = []
     real = kernels.conv_weight_grad
 
@@ -176,7 +177,7 @@ def test_the_model_routes_its_wide_layers_as_configured(setting, monkeypatch):
 
     monkeypatch.setattr(kernels, "conv_weight_grad", counting)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # as on this project's machine: 4+ channel blocks each
-    cfg = build_config("paper", [f"model.weight_grad_kernel={setting}"])
+    cfg = build_config(preset, [f"model.weight_grad_kernel={setting}"])
     model = networks.VAE(cfg.model)
     x = torch.rand(2, 1, 64, 64)
     post = model.encoder(x)
@@ -185,8 +186,10 @@ def test_the_model_routes_its_wide_layers_as_configured(setting, monkeypatch):
     # encoder convs 2-4 (input maps), decoder deconvs 1-3 (swapped: the gradients of their outputs)
     expected = [((64, 32, 32), 64), ((64, 16, 16), 128), ((128, 8, 8), 128),
                 ((128, 8, 8), 128), ((64, 16, 16), 128), ((64, 32, 32), 64)]
-    assert sorted(calls) == (sorted(expected) if setting == "native" else [])
-    assert kernels.route(setting) == setting
+    wide = preset == "paper" and setting == "native"
+    assert sorted(calls) == (sorted(expected) if wide else [])
+    assert kernels.route(setting, cfg.model.channels) == setting if preset == "paper" else \
+        kernels.route(setting, cfg.model.channels).startswith("onednn (no layer")
 
 
 def test_the_setting_is_validated_and_old_runs_keep_onednn(tmp_path):

@@ -132,8 +132,9 @@ class _ConvReLU(torch.autograd.Function):
 def _weight_grad(grad, x, weight, transposed: bool, native: bool, want_w: bool, want_b: bool):
     """Weight and bias gradients of a 4x4 stride-2 conv layer, plain or transposed.
 
-    - `native` (model.weight_grad_kernel = "native"), 16k input channels (16k output channels if
-      transposed, read swapped as below) and inputs of at least 8x8: our kernel
+    - `native` (model.weight_grad_kernel = "native"), layers of at least `kernels.MIN_CHANNELS`
+      channels in and out (the paper preset's; narrower ones gain nothing), 16k input channels (16k
+      output channels if transposed, read swapped as below) and inputs of at least 8x8: our kernel
       (`vase.kernels.conv_weight_grad`), where it is built. oneDNN runs the paper network's 64->64
       layers at about 2/3 of the matmul peak here, the kernel at about 0.85 (docs/benchmarks.md).
     - One input channel (the first encoder conv): a patch matmul (`_conv_one_channel_weight_grad`).
@@ -147,7 +148,8 @@ def _weight_grad(grad, x, weight, transposed: bool, native: bool, want_w: bool, 
     """
     args = (_STRIDE, _PADDING, _DILATION)
     swapped = transposed and TRANSPOSED_WEIGHT_GRAD == "swapped"
-    if want_w and native and (swapped or not transposed):
+    wide = min(weight.shape[0], weight.shape[1]) >= kernels.MIN_CHANNELS
+    if want_w and native and wide and (swapped or not transposed):
         # The plain conv whose weight gradient this is: for a transposed conv, the swapped one. The
         # bias gradient is summed as the oneDNN routes below sum it, pixel after pixel for plain
         # convs, so on AVX2 machines both settings of model.weight_grad_kernel give the same bits.

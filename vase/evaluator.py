@@ -232,7 +232,7 @@ class Evaluator(Callback):
             "wall_time_s": round(self.record.wall_time, 1),
             "device": describe(learner.device),
             # The route decides the last bits of every gradient, so it is part of what reproduces a run.
-            "weight_gradients": kernels.route(cfg.model.weight_grad_kernel),
+            "weight_gradients": kernels.route(cfg.model.weight_grad_kernel, cfg.model.channels),
             "environments_inferred": learner.inference.n_envs,
             "environments_true": len(set(cfg.data.sequence)),
             "inferred_vs_true": inferred,

@@ -32,6 +32,11 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
 CACHE_ENV = "VASE_CACHE_DIR"
 # The smallest input maps we measured the kernel on (8x8, batch 64: 3.2 ms against oneDNN's 4.3).
 MIN_INPUT_SIZE = 8
+# The narrowest layers the model routes to it (`conv_paths`), where it pays: layers of 64
+# channels and up gain 12-25 % each and the paper preset's step x1.06-1.08; the cpu preset's
+# 32-channel layers gain nothing (3.7 ms both) and its step x1.01-1.02, under the 5 % a speed path
+# must buy to stay (docs/benchmarks.md, item 9).
+MIN_CHANNELS = 64
 # Builds unused for this long are removed when another is compiled (each is about 20 KB, but a
 # cache shared by many checkouts and compilers would otherwise only grow).
 STALE_DAYS = 30
@@ -141,10 +146,13 @@ def status() -> str:
     return _library().status
 
 
-def route(setting: str) -> str:
-    """What computes the weight gradients under model.weight_grad_kernel = `setting` here."""
+def route(setting: str, channels: list[int]) -> str:
+    """What computes the weight gradients under model.weight_grad_kernel = `setting` here, for a
+    network of these conv widths (model.channels)."""
     if setting != "native":
         return "onednn"
+    if sum(a >= MIN_CHANNELS and b >= MIN_CHANNELS for a, b in zip(channels, channels[1:])) == 0:
+        return f"onednn (no layer of {MIN_CHANNELS}+ channels for the native kernel)"
     state = status()
     return "native" if state == "on" else f"onednn (native kernel {state})"
 
