@@ -362,13 +362,13 @@ class Trainer:
             post = self.learner.model.encoder(x)
             kl = kl_per_latent(post.mu, post.logvar).mean(0)
             info = information(kl, atypicality(post.mu, post.logvar))
-            mask = self.learner.masks.mask(slot)
+            mask = self.learner.mask(slot)
             rows.append({
                 "true_env": env.name, "slot": slot,
                 "used_in_training": self.learner.inference.used(slot).nonzero().flatten().tolist(),
                 # The running usage itself, so a reader can count "used" at any threshold: the
                 # count at used_kl is one reading of it, not the only sensible one.
-                "usage_per_latent": _per_latent(self.learner.inference.usage[slot]),
+                "usage_per_latent": _per_latent(self.learner.slots[slot].usage),
                 "masked": (mask == 0).nonzero().flatten().tolist(),
                 "kl_per_latent": _per_latent(kl),
                 "info_per_latent": _per_latent(info),
@@ -394,7 +394,7 @@ class Trainer:
             grid = traversal_grid(self.learner, self.held_out[i][0], slot, self.cfg.inference.used_kl)
             self.writer.add_image(f"traversal/{self.envs[i].name}", grid, step)
         self.writer.add_image(
-            "mask/environments", mask_image(self.learner.masks.masks, self.learner.inference.n_envs), step
+            "mask/environments", mask_image(self.learner.slots.stack("mask"), self.learner.inference.n_envs), step
         )
         self._log_figures(step)
 
@@ -456,7 +456,7 @@ class Trainer:
             "inferred_vs_true": inferred,
             "inference_events": self.record.events,
             "pending_batches": self.record.pending,
-            "final_masks": self.learner.masks.masks[: max(1, self.learner.inference.n_envs)].int().tolist(),
+            "final_masks": self.learner.slots.stack("mask")[: max(1, self.learner.inference.n_envs)].int().tolist(),
             "heldout_reconstruction_matrix": self.record.recon_matrix,
             "cross_domain_errors": cross,
             "latent_use": use,
