@@ -85,7 +85,8 @@ def test_every_state_tensor_is_on_the_learners_device():
     learner = Learner(build_config("cpu", TINY, "SDA"), "cpu")
     train(learner, batches(4))
     placed = dict(tensors(learner.state_dict()))
-    host_side = {"state.generator", "state.torch_rng", "state.inference.recorded", "state.masks.initialised"}
+    host_side = {"state.generator", "state.torch_rng", "state.inference.slots.recorded",
+                 "state.inference.slots.initialised"}
     assert all(t.device == learner.device for name, t in placed.items() if name not in host_side)
     assert learner.generator.device == learner.device
 
@@ -135,7 +136,8 @@ def test_cuda_state_lives_on_the_gpu_and_moves_to_the_cpu():
     gpu = Learner(cfg, "cuda")
     train(gpu, batches(4, "cuda"))
     placed = dict(tensors(gpu.state_dict()))
-    host_side = {"state.generator", "state.torch_rng", "state.inference.recorded", "state.masks.initialised"}
+    host_side = {"state.generator", "state.torch_rng", "state.inference.slots.recorded",
+                 "state.inference.slots.initialised"}
     assert all(t.is_cuda for name, t in placed.items() if name not in host_side)
     # The checkpoint path loads on the CPU (map_location) and each part moves to its device.
     state = torch.load(_saved(gpu.state_dict()), map_location="cpu", weights_only=True)
@@ -145,7 +147,7 @@ def test_cuda_state_lives_on_the_gpu_and_moves_to_the_cpu():
     assert cpu.step == 4 and torch.isfinite(torch.tensor(list(train(cpu, batches(2))[-1].losses.values()))).all()
     back = Learner(cfg, "cuda")
     back.load_state_dict(torch.load(_saved(gpu.state_dict()), map_location="cpu", weights_only=True))
-    assert back.masks.masks.is_cuda and back.inference.errors.is_cuda
+    assert back.slots[0].mask.is_cuda and back.slots[0].error.is_cuda
 
 
 @cuda

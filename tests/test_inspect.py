@@ -62,8 +62,8 @@ def fake_learner(mask=None, usage=None):
     usage = torch.zeros(1, LATENTS) if usage is None else usage
     return SimpleNamespace(
         model=SimpleNamespace(encoder=ZeroEncoder(), decoder=SquareDecoder()),
-        masks=SimpleNamespace(mask=lambda env: mask),
-        inference=SimpleNamespace(usage=usage),
+        mask=lambda env: mask,
+        slots=[SimpleNamespace(usage=u) for u in usage],
         cfg=build_config("cpu"),
     )
 
@@ -173,8 +173,8 @@ class MeanEncoder(torch.nn.Module):
 def test_ambiguity_switches_sharply_and_context_moves_the_batch_decision():
     learner = SimpleNamespace(
         model=SimpleNamespace(encoder=MeanEncoder()), classifier=BrightnessClassifier(),
-        inference=SimpleNamespace(usage=torch.tensor([[1.0] + [0.0] * 5, [0.0, 1.0] + [0.0] * 4]),
-                                  predict=lambda probs: int(probs[:2].argmax())),
+        slots=SimpleNamespace(stack=lambda name: torch.tensor([[1.0] + [0.0] * 5, [0.0, 1.0] + [0.0] * 4])),
+        inference=SimpleNamespace(predict=lambda probs: int(probs[:2].argmax())),
     )
     bright, dark = torch.ones(32, 1, 4, 4), torch.zeros(32, 1, 4, 4)
     result = measure_ambiguity(learner, bright, dark, (0, 1), ("bright", "dark"), used_kl=0.1)

@@ -41,8 +41,8 @@ def test_latent_use_reports_kl_mask_and_active_latents():
     cfg = build_config("cpu", ["inference.used_kl=0.1"], ablation="A")  # S off: every batch is slot 0
     learner = Learner(cfg)
     learner.model.encoder = FixedEncoder(cfg.model.latents, cfg.model.hidden)
-    learner.masks.masks[0, 2] = 0.0  # slot 0 masks latent 2
-    learner.inference.usage[0] = torch.tensor(
+    learner.slots[0].mask[2] = 0.0  # slot 0 masks latent 2
+    learner.slots[0].usage = torch.tensor(
         [1.5] + [0.0] * (cfg.model.latents - 2) + [0.05]
     )  # used while training: latent 0
     fake = SimpleNamespace(

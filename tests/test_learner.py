@@ -1,4 +1,6 @@
 """The learner's step: switches, stop-gradients, and environment inference on a synthetic stream."""
+import copy
+
 import pytest
 import torch
 
@@ -30,7 +32,7 @@ def test_classifier_does_not_move_encoder_weights():
     x = squares(16, torch.Generator().manual_seed(0), 0)
     post = lrn.model.encoder(x)
     before = [p.detach().clone() for p in lrn.model.encoder.parameters()]
-    lrn._train_classifier(lrn.classifier(post.hidden), 0, 16, None)
+    lrn.inference.train_classifier(lrn.classifier(post.hidden), 0, 16, None)
     assert all(torch.equal(a, b) for a, b in zip(before, lrn.model.encoder.parameters()))
     assert all(p.grad is None for p in lrn.model.encoder.parameters())
 
@@ -87,9 +89,9 @@ def test_masked_latents_get_no_gradient_in_the_step(aggregate_weight):
     )
     x = squares(16, torch.Generator().manual_seed(0), 0)
     lrn.training_step(x)
-    mask = lrn.masks.mask(0).clone()
-    lrn.masks.masks[0] = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0])  # force two latents off
-    lrn.cfg.mask.lambda_high = 1e9  # and keep them off during the step
+    mask = lrn.mask(0).clone()
+    lrn.slots[0].mask = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0])  # force two latents off
+    lrn.inference.mask_cfg.lambda_high = 1e9  # and keep them off during the step
     post = lrn.model.encoder(x)
     out = lrn.training_step(x)
     head = lrn.model.encoder.head
@@ -109,8 +111,8 @@ def test_a_masked_latent_whose_variance_overflows_leaves_the_step_finite(ablatio
     lrn = learner(ablation, ["mask.lambda_high=1e9"])  # nothing gets masked by the step itself
     x = squares(16, torch.Generator().manual_seed(0), 0)
     lrn.training_step(x)
-    used_before = float(lrn.inference.usage[0, 1])
-    lrn.masks.masks[0] = torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+    used_before = float(lrn.slots[0].usage[1])
+    lrn.slots[0].mask = torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0, 1.0])
     head, n = lrn.model.encoder.head, lrn.cfg.model.latents
     with torch.no_grad():
         head.bias[n + 1].fill_(200.0)  # latent 1's log sigma^2: exp overflows in float32
@@ -119,7 +121,7 @@ def test_a_masked_latent_whose_variance_overflows_leaves_the_step_finite(ablatio
     assert all(torch.isfinite(torch.tensor(v)) for v in out.losses.values())
     assert all(torch.isfinite(p.grad).all() for p in lrn.model.parameters() if p.grad is not None)
     # The masked latent's usage only decays (this batch adds 0 for it): no inf or NaN gets in.
-    assert torch.isfinite(lrn.inference.usage).all() and float(lrn.inference.usage[0, 1]) <= used_before
+    assert torch.isfinite(lrn.slots.stack("usage")).all() and float(lrn.slots[0].usage[1]) <= used_before
 
 
 @pytest.mark.parametrize("ablation", ["SDA", "A"])
@@ -134,10 +136,10 @@ def test_usage_records_information_not_kl(ablation):
     out = lrn.training_step(squares(16, torch.Generator().manual_seed(0), 0))
     assert out.decision.verdict == "first"
     assert float(out.kl_per_latent[0]) == pytest.approx(4.5, abs=1e-4)
-    assert float(lrn.inference.usage[0, 0]) < lrn.cfg.inference.used_kl
+    assert float(lrn.slots[0].usage[0]) < lrn.cfg.inference.used_kl
     # The other latents' usage is their information: KL minus atypicality.
     expected = (out.kl_per_latent - out.alpha).clamp_min(0) * out.mask
-    assert torch.allclose(lrn.inference.usage[0], expected)
+    assert torch.allclose(lrn.slots[0].usage, expected)
 
 
 def test_a_mask_change_in_the_step_reopens_the_settling_period():
@@ -145,13 +147,14 @@ def test_a_mask_change_in_the_step_reopens_the_settling_period():
     x = squares(16, torch.Generator().manual_seed(0), 0)
     for _ in range(5):
         lrn.training_step(x)
-    assert lrn.inference.settling_since == 0  # only the allocation so far
+    settling = lrn.inference.rule("settling")
+    assert settling.since == 0  # only the allocation so far
     # Make every latent maskable and atypical: the step's mask update switches latents off.
     lrn.inference.maskable = lambda env: torch.ones(6, dtype=torch.bool)
-    lrn.cfg.mask.lambda_low, lrn.cfg.mask.lambda_high = -2.0, -1.0
+    lrn.inference.mask_cfg.lambda_low, lrn.inference.mask_cfg.lambda_high = -2.0, -1.0
     out = lrn.training_step(x)
-    assert torch.equal(out.mask, torch.ones(6)) and not torch.equal(lrn.masks.mask(0), torch.ones(6))
-    assert lrn.inference.settling_since == out.step and not lrn.inference.recorded[0]
+    assert torch.equal(out.mask, torch.ones(6)) and not torch.equal(lrn.mask(0), torch.ones(6))
+    assert settling.since == out.step and not lrn.slots[0].recorded
 
 
 @pytest.mark.slow
@@ -180,12 +183,12 @@ def test_without_s_a_does_not_mask_latents_while_they_are_learnt():
         out = lrn.training_step(squares(16, gen, 0))
         assert out.mask.tolist() == [1.0] * 6
     assert float(out.alpha.max()) > 0.002  # so eq. 5 alone would have masked at least one latent
-    assert not lrn.masks.learnt[0].any()
+    assert not lrn.slots[0].learnt.any()
     # Declare latent 2 learnt: the next atypical batch masks it, and nothing else.
-    lrn.masks.learnt[0, 2] = True
-    lrn.masks.alpha[0, 2] = 1.0
+    lrn.slots[0].learnt[2] = True
+    lrn.slots[0].alpha[2] = 1.0
     lrn.training_step(squares(16, gen, 1))
-    assert lrn.masks.mask(0).tolist() == [1.0, 1.0, 0.0, 1.0, 1.0, 1.0]
+    assert lrn.mask(0).tolist() == [1.0, 1.0, 0.0, 1.0, 1.0, 1.0]
 
 
 @pytest.mark.parametrize("ramp", [0, 100])
@@ -199,7 +202,7 @@ def test_a_new_environment_starts_its_capacity_from_the_kl_it_carries(ramp):
         out = lrn.training_step(x)
         assert out.extra["capacity"] == pytest.approx(min(25.0, 2.5 * out.step))
     infer = lrn.inference.infer
-    lrn.inference.infer = lambda t, *args: lrn.inference._allocate(t, 1, "new", ["reconstruction"])
+    lrn.inference.infer = lambda t, *args: lrn.inference.allocate(t, 1, "new", ["reconstruction"])
     out = lrn.training_step(x)  # step 12: a second environment
     lrn.inference.infer = infer
     assert out.decision.env == 1 and lrn.capacity_starts[1][0] == 12
@@ -243,9 +246,9 @@ def test_the_step_adds_the_fresh_latent_penalty_in_a_new_environment():
         lrn = learner("SDA", [f"objective.fresh_aggregate_weight={weight}", "dream.enabled=false"])
         for _ in range(3):
             lrn.training_step(x)
-        lrn.inference.usage[0] = torch.tensor([2.0, 0.0, 2.0, 0.0, 0.0, 0.0])  # slot 0 uses latents 0 and 2
+        lrn.slots[0].usage = torch.tensor([2.0, 0.0, 2.0, 0.0, 0.0, 0.0])  # slot 0 uses latents 0 and 2
         infer = lrn.inference.infer
-        lrn.inference.infer = lambda t, *args: lrn.inference._allocate(t, 1, "new", ["reconstruction"])
+        lrn.inference.infer = lambda t, *args: lrn.inference.allocate(t, 1, "new", ["reconstruction"])
         with torch.no_grad():
             post = lrn.model.encoder(x)
         out = lrn.training_step(x)
@@ -269,7 +272,7 @@ def test_cross_domain_panel_decodes_the_same_latents_under_every_slot():
     from vase.visualize import cross_domain_panel
 
     lrn = learner()
-    lrn.masks.masks[1, 2] = 0.0  # slot 1 masks latent 2: fed its prior mean, 0, in the mean decoding
+    lrn.slots[1].mask[2] = 0.0  # slot 1 masks latent 2: fed its prior mean, 0, in the mean decoding
     x = squares(3, torch.Generator().manual_seed(0), 0)
     panel = cross_domain_panel(lrn, x, 2)
     assert panel.shape == (3, 3, 1, 64, 64)
@@ -290,8 +293,8 @@ def _with_a_past_environment(extra=()):
     x = squares(16, torch.Generator().manual_seed(0), 0)
     lrn.training_step(x)
     lrn.inference.n_envs, lrn.inference.current = 2, 1
-    lrn.inference.usage[0] = torch.tensor([2.0, 0, 0, 0, 0, 0])
-    lrn.inference.recorded[:2] = True
+    lrn.slots[0].usage = torch.tensor([2.0, 0, 0, 0, 0, 0])
+    lrn.slots[0].recorded = lrn.slots[1].recorded = True
     return lrn, x
 
 
@@ -311,9 +314,56 @@ def test_imagination_redraws_exactly_the_transferable_latents_and_trains_only_th
     term = lrn.imagination_term(enc, 1)["imagination"]
     codes = seen[-1]
     assert codes.shape == (4, 6)
-    assert torch.equal(codes[:, 1:], (enc.real.mu[:4] * lrn.masks.mask(1))[:, 1:].detach())
+    assert torch.equal(codes[:, 1:], (enc.real.mu[:4] * lrn.mask(1))[:, 1:].detach())
     assert not torch.allclose(codes[:, 0], enc.real.mu[:4, 0].detach())  # redrawn from the prior
     lrn.model.zero_grad(set_to_none=True)
     term.backward()
     assert all(p.grad is None for p in lrn.model.decoder.parameters())
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in lrn.model.encoder.parameters())
+
+
+def _split_layout(state: dict) -> dict:
+    """A learner's state dict in the split layout `vase.slots.from_split_layout` reads: the masks in
+    their own entry ("masks"), L_s, usage and the recorded flags stacked in the inference's, and a
+    probation visit as its fields plus the mask's row."""
+    old, inference = dict(state), dict(state["inference"])
+    slots = inference.pop("slots")
+    old["masks"] = {"masks": slots["mask"], "alpha": slots["alpha"], "initialised": slots["initialised"],
+                    "learnt": slots["learnt"]}
+    inference.update(errors=slots["error"], usage=slots["usage"], recorded=slots["recorded"])
+    visit = inference["probation"]
+    if visit is not None:
+        slot = visit["slot"]
+        inference["probation"] = {
+            "env": visit["env"], "since": visit["since"], "error": slot["error"], "usage": slot["usage"],
+            "recorded": slot["recorded"], "mask": {k: slot[k] for k in ("mask", "alpha", "initialised", "learnt")}}
+    old["inference"] = inference
+    return old
+
+
+def same_state(a, b) -> bool:
+    """Equal nested state: the same keys, bit-identical tensors, equal plain values."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+@pytest.mark.parametrize("visit", [False, True])
+def test_a_checkpoint_with_the_masks_apart_from_the_slots_resumes_bit_for_bit(visit):
+    extra = ["inference.patience=1", "inference.cooldown=3"]
+    lrn = learner("SDA", extra)
+    gen = torch.Generator().manual_seed(0)
+    xs = [squares(16, gen, i // 4 % 2) for i in range(10)]
+    for x in xs[:8]:
+        lrn.training_step(x)
+    if visit:  # a switch back into slot 0 on probation, in the checkpoint too
+        lrn.inference.rule("probation").switched(lrn.inference, 0, lrn.step - 1)
+    state = copy.deepcopy(lrn.state_dict())
+    assert "masks" not in state and (state["inference"]["probation"] is not None) == visit
+    resumed, migrated = learner("SDA", extra), learner("SDA", extra)
+    resumed.load_state_dict(copy.deepcopy(state))
+    migrated.load_state_dict(_split_layout(copy.deepcopy(state)))
+    assert same_state(resumed.inference.state_dict(), migrated.inference.state_dict())
+    assert [resumed.training_step(x).losses for x in xs[8:]] == [migrated.training_step(x).losses for x in xs[8:]]

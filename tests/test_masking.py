@@ -2,8 +2,9 @@
 import torch
 
 from vase.config import MaskConfig
-from vase.masking import LatentMasks, atypicality, hysteresis, information
+from vase.masking import AllOnes, Masks, atypicality, hysteresis, information
 from vase.objective import kl_per_latent
+from vase.slots import Slots, from_split_layout
 
 
 def test_alpha_is_zero_for_prior_matching_posteriors():
@@ -56,35 +57,37 @@ def test_hysteresis_keeps_state_between_thresholds():
 
 def test_masks_per_environment_and_switch_off():
     cfg = MaskConfig(lambda_low=0.5, lambda_high=1.0, ema=0.0)
-    masks = LatentMasks(k_max=3, latents=2, cfg=cfg)
-    masks.update(0, torch.tensor([3.0, 0.0]))
-    masks.update(1, torch.tensor([0.0, 3.0]))
-    assert torch.equal(masks.mask(0), torch.tensor([0.0, 1.0]))
-    assert torch.equal(masks.mask(1), torch.tensor([1.0, 0.0]))
-    assert torch.equal(masks.mask(2), torch.ones(2))  # an unused slot leaves every latent free
-    cfg.enabled = False
-    assert torch.equal(masks.mask(0), torch.ones(2))
+    masks, slots = Masks(cfg), Slots(k_max=3, latents=2)
+    masks.update(slots[0], torch.tensor([3.0, 0.0]), None)
+    masks.update(slots[1], torch.tensor([0.0, 3.0]), None)
+    assert torch.equal(masks.applied(slots[0]), torch.tensor([0.0, 1.0]))
+    assert torch.equal(masks.applied(slots[1]), torch.tensor([1.0, 0.0]))
+    assert torch.equal(masks.applied(slots[2]), torch.ones(2))  # an unused slot leaves every latent free
+    assert torch.equal(AllOnes().applied(slots[0]), torch.ones(2))  # A off
 
 
 def test_only_maskable_latents_can_be_switched_off():
     cfg = MaskConfig(lambda_low=0.5, lambda_high=1.0, ema=0.0)
-    masks = LatentMasks(k_max=2, latents=3, cfg=cfg)
+    masks, slots = Masks(cfg), Slots(k_max=2, latents=3)
     maskable = torch.tensor([True, False, True])
-    masks.update(0, torch.tensor([3.0, 3.0, 0.0]), maskable)
-    assert torch.equal(masks.mask(0), torch.tensor([0.0, 1.0, 1.0]))
-    # The batch mask of the agreement test follows the same rule.
-    assert torch.equal(masks.batch_mask(torch.tensor([3.0, 3.0, 3.0]), 0, maskable), torch.tensor([0.0, 1.0, 0.0]))
+    masks.update(slots[0], torch.tensor([3.0, 3.0, 0.0]), maskable)
+    assert torch.equal(masks.applied(slots[0]), torch.tensor([0.0, 1.0, 1.0]))
+    # A batch's own mask relative to a^0 follows the same rule.
+    batch_mask = hysteresis(torch.tensor([3.0, 3.0, 3.0]), slots[0].mask, cfg, maskable)
+    assert torch.equal(batch_mask, torch.tensor([0.0, 1.0, 0.0]))
 
 
 def test_maskable_latents_are_those_other_environments_use():
-    from vase.config import InferenceConfig
-    from vase.inference import EnvironmentInference
+    from vase.config import Config, InferenceConfig
+    from vase.inference import build
 
-    inf = EnvironmentInference(InferenceConfig(used_kl=0.1), k_max=3, latents=3, use_masks=True)
-    inf._allocate(0, 0, "first", [])
-    inf.record(0, 100.0, torch.tensor([2.0, 0.0, 0.0]))
-    inf._allocate(10, 1, "new", [])
-    inf.record(1, 100.0, torch.tensor([0.0, 0.0, 1.5]))
+    cfg = Config(inference=InferenceConfig(used_kl=0.1))
+    cfg.model.k_max, cfg.model.latents = 3, 3
+    inf = build(cfg)
+    inf.allocate(0, 0, "first", [])
+    inf.slots[0].record(100.0, torch.tensor([2.0, 0.0, 0.0]), inf.cfg.error_ema)
+    inf.allocate(10, 1, "new", [])
+    inf.slots[1].record(100.0, torch.tensor([0.0, 0.0, 1.5]), inf.cfg.error_ema)
     assert inf.maskable(1).tolist() == [True, False, False]
     assert inf.maskable(0).tolist() == [False, False, True]
 
@@ -93,26 +96,30 @@ def test_a_single_slot_masks_only_the_latents_it_has_learnt():
     """With S off there is one slot. A latent it is learning is atypical until it settles; masking it
     then would stop the learning for good (the "A" and "DA" rows closed all 24 latents that way)."""
     cfg = MaskConfig(lambda_low=0.3, lambda_high=1.0, ema=0.0)
-    masks = LatentMasks(k_max=1, latents=3, cfg=cfg)
+    masks, slots = Masks(cfg), Slots(k_max=1, latents=3)
+    slot = slots[0]
 
     def step(alpha, used):
-        return masks.update(0, torch.tensor(alpha), masks.learnt[0].clone(), torch.tensor(used))
+        masks.update(slot, torch.tensor(alpha), slot.learnt.clone(), torch.tensor(used))
+        return slot.mask
 
     # Latent 0 is being learnt (used, atypical), 1 is used and settled, 2 is unused but atypical.
     for _ in range(3):
         assert step([2.0, 0.1, 2.0], [True, True, False]).tolist() == [1.0, 1.0, 1.0]
-    assert masks.learnt[0].tolist() == [False, True, False]
+    assert slot.learnt.tolist() == [False, True, False]
     step([0.1, 0.1, 2.0], [True, True, False])  # latent 0 settles: now a learnt factor
-    assert masks.learnt[0].tolist() == [True, True, False]
+    assert slot.learnt.tolist() == [True, True, False]
     # New data shifts every latent: the learnt ones are protected, the never-learnt one stays spare.
     assert step([2.0, 2.0, 2.0], [True, True, False]).tolist() == [0.0, 0.0, 1.0]
     # Masked latents carry nothing, so their usage decays; they stay learnt and reopen only when typical.
     assert step([2.0, 0.1, 2.0], [False, False, False]).tolist() == [0.0, 1.0, 1.0]
-    assert masks.learnt[0].tolist() == [True, True, False]
+    assert slot.learnt.tolist() == [True, True, False]
     # The record is part of the checkpoint, and a checkpoint without it loads as "nothing learnt".
-    restored = LatentMasks(k_max=1, latents=3, cfg=cfg)
-    restored.load_state_dict(masks.state_dict())
-    assert torch.equal(restored.learnt, masks.learnt)
-    old = {k: v for k, v in masks.state_dict().items() if k != "learnt"}
-    restored.load_state_dict(old)
-    assert not restored.learnt.any()
+    restored = Slots(k_max=1, latents=3)
+    restored.load_state_dict(slots.state_dict())
+    assert torch.equal(restored[0].learnt, slot.learnt)
+    state = slots.state_dict()
+    old_masks = {"masks": state["mask"], "alpha": state["alpha"], "initialised": state["initialised"]}
+    old_inference = {"errors": state["error"], "usage": state["usage"], "recorded": state["recorded"]}
+    restored.load_state_dict(from_split_layout(old_inference, old_masks)["slots"])
+    assert not restored[0].learnt.any() and torch.equal(restored[0].mask, slot.mask)

@@ -39,7 +39,7 @@ def interpolate(a: torch.Tensor, b: torch.Tensor, weights: torch.Tensor = WEIGHT
 
 def specific_latents(usage: torch.Tensor, slot_a: int, slot_b: int, used_kl: float) -> tuple[list[int], list[int]]:
     """Latents slot A uses and slot B does not, and the reverse, from the running usage record
-    (information per latent while each slot trained, `EnvironmentInference.usage`)."""
+    (information per latent while each slot trained, `vase.slots.Slot.usage`)."""
     used_a, used_b = usage[slot_a] > used_kl, usage[slot_b] > used_kl
     return (used_a & ~used_b).nonzero().flatten().tolist(), (used_b & ~used_a).nonzero().flatten().tolist()
 
@@ -149,7 +149,7 @@ def measure_ambiguity(
             predicted[c].append(learner.inference.predict(probs))
     w = weights.tolist()
     low, high = crossing(w, example_mean, 0.1), crossing(w, example_mean, 0.9)
-    latents_a, latents_b = specific_latents(learner.inference.usage, slot_a, slot_b, used_kl)
+    latents_a, latents_b = specific_latents(learner.slots.stack("usage"), slot_a, slot_b, used_kl)
     return AmbiguityResult(
         env_a=names[0], env_b=names[1], slot_a=slot_a, slot_b=slot_b, weights=w, contexts=list(contexts),
         batch_q_a=batch_q, predicted=predicted, example_q_a=example_mean, example_q_a_std=example_std,

@@ -50,13 +50,10 @@ def prepare_environments(learner, n_envs: int) -> None:
     if n_envs > cfg.model.k_max:
         raise ConfigError(f"{n_envs} environments need model.k_max >= {n_envs}")
     inf = learner.inference
-    inf.n_envs, inf.current = n_envs, n_envs - 1
-    inf.errors[:n_envs] = 1e12
-    inf.recorded[:n_envs] = True
-    inf.usage.zero_()
-    inf.pending, inf.settling_since = 0, -(10**9)
-    for s in range(n_envs):
-        learner.masks.start(s, torch.zeros(cfg.model.latents, device=learner.device))
+    inf.n_envs, inf.current, inf.pending = n_envs, n_envs - 1, 0
+    for s in range(n_envs):  # a fresh learner's slots have no usage yet
+        inf.slots[s].error, inf.slots[s].recorded = torch.tensor(1e12, device=learner.device), True
+        inf.start(s, torch.zeros(cfg.model.latents, device=learner.device), None)
     with torch.no_grad():
         learner.classifier.linear.bias[n_envs - 1] += 50.0
     learner.snapshot.sync(learner.model)

@@ -113,7 +113,7 @@ class MaskConfig:
 
 # Named rule sets of environment inference (docs/method.md, "Rules beyond eq. 6"): "paper" is eq. 3
 # and eq. 6 as written, with the spec's debouncing (patience) and eq. 5's hysteresis; "vase" adds
-# the named rules of `vase.inference`.
+# the named rules. Their lists of rules are `vase.rules.RULE_SETS`.
 RULE_SETS = ("vase", "paper")
 
 

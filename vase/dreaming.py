@@ -7,6 +7,7 @@ from typing import NamedTuple
 import torch
 from torch.nn import functional as F
 
+from vase.config import DreamConfig
 from vase.networks import VAE, Posterior
 
 
@@ -48,6 +49,39 @@ class Snapshot:
 
     def load_state_dict(self, d: dict) -> None:
         self.model.load_state_dict(d)
+
+
+class Dreaming:
+    """D on: each step dreams of the environments the inference names, from the snapshot, which is
+    re-synced every tau steps (paper §3.5) and when a new environment is allocated [ours], so the old
+    environments are dreamt by the model that knew them."""
+
+    def __init__(self, cfg: DreamConfig, snapshot: Snapshot):
+        self.cfg, self.snapshot = cfg, snapshot
+
+    def dream(self, envs: list[int], latents: int, generator: torch.Generator) -> Dreams | None:
+        return self.snapshot.dream(envs, self.cfg.batch_size, latents, generator) if envs else None
+
+    def new_environment(self, model: VAE) -> None:
+        self.snapshot.sync(model)
+
+    def stepped(self, step: int, model: VAE) -> None:
+        """Step `step` is done: every tau steps the snapshot takes the model's weights."""
+        if (step + 1) % self.cfg.snapshot_every == 0:
+            self.snapshot.sync(model)
+
+
+class NoDreams:
+    """D off: no dreams, so no eq. 7 term, and the snapshot is left alone."""
+
+    def dream(self, envs: list[int], latents: int, generator: torch.Generator) -> None:
+        return None
+
+    def new_environment(self, model: VAE) -> None:
+        pass
+
+    def stepped(self, step: int, model: VAE) -> None:
+        pass
 
 
 def encoder_proximity(current: Posterior, snapshot: Posterior) -> torch.Tensor:

@@ -167,13 +167,13 @@ class Evaluator(Callback):
             post = self.learner.model.encoder(x)
             kl = kl_per_latent(post.mu, post.logvar).mean(0)
             info = information(kl, atypicality(post.mu, post.logvar))
-            mask = self.learner.masks.mask(slot)
+            mask = self.learner.mask(slot)
             rows.append({
                 "true_env": env.name, "slot": slot,
                 "used_in_training": self.learner.inference.used(slot).nonzero().flatten().tolist(),
                 # The running usage itself, so a reader can count "used" at any threshold: the
                 # count at used_kl is one reading of it, not the only sensible one.
-                "usage_per_latent": _per_latent(self.learner.inference.usage[slot]),
+                "usage_per_latent": _per_latent(self.learner.slots[slot].usage),
                 "masked": (mask == 0).nonzero().flatten().tolist(),
                 "kl_per_latent": _per_latent(kl),
                 "info_per_latent": _per_latent(info),
@@ -238,7 +238,7 @@ class Evaluator(Callback):
             "inferred_vs_true": inferred,
             "inference_events": self.record.events,
             "pending_batches": self.record.pending,
-            "final_masks": learner.masks.masks[: max(1, learner.inference.n_envs)].int().tolist(),
+            "final_masks": learner.slots.stack("mask")[: max(1, learner.inference.n_envs)].int().tolist(),
             "heldout_reconstruction_matrix": self.record.recon_matrix,
             "cross_domain_errors": cross,
             "latent_use": use,

@@ -144,10 +144,10 @@ def write_traversals(run, out: Path, tag: str, used_only: bool, image: int, echo
                 f"--image {image} is out of range: {name} has {len(run.held_out[env])} held-out images"
             )
         seed = run.held_out[env][image]
-        usage = learner.inference.usage[slot]
+        usage = learner.slots[slot].usage
         latents = torch.argsort(usage, descending=True, stable=True)
         if used_only:
-            latents = latents[(usage[latents] > used_kl) & learner.masks.mask(slot)[latents].bool()]
+            latents = latents[(usage[latents] > used_kl) & learner.mask(slot)[latents].bool()]
             if len(latents) == 0:
                 echo(f"traversals: slot {slot} ({name}) uses no latent above {used_kl:g} nat; skipped")
                 continue

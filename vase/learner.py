@@ -4,26 +4,26 @@
                   + E_{z,s',x'}[ W2(q_phi(z|x'), q_phi'(z|x')) + KL(p_theta'(x|z,s') || p_theta(x|z,s')) ]
                                                                                (dreaming, eq. 7)
 
-`training_step` runs the phases in that order; S is read in `infer_environment`, A in `enter`
-(a^s, all ones when off) and D in `dream` and `dreaming_term`.
+`training_step` runs the phases in that order. Each switch is one object, chosen once in
+`__init__`, with a stand-in when it is off: S is `inference` (eq. 6, or `SingleEnvironment`: every
+batch is environment 0), A is the inference's masking (a^s, or `AllOnes`), D is `dreaming` (eq. 7's
+dreams, or `NoDreams`). The rule set `inference.rules` (`vase.rules`) adds to eq. 3-6.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import warnings
 from dataclasses import dataclass, field
 
 import torch
-from torch.nn import functional as F
 
 from vase.config import Config
 from vase.conv_paths import place, use_implementation
 from vase.device import precision_context
-from vase.dreaming import Dreams, Snapshot, decoder_proximity, encoder_proximity
+from vase.dreaming import Dreaming, Dreams, NoDreams, Snapshot, decoder_proximity, encoder_proximity
 from vase.errors import NumericalError
-from vase.inference import Decision, EnvironmentInference
-from vase.masking import LatentMasks, atypicality
+from vase.inference import Decision, build
+from vase.masking import atypicality
 from vase.networks import VAE, EnvironmentClassifier, Posterior
 from vase.objective import (
     environment_capacity,
@@ -34,7 +34,8 @@ from vase.objective import (
     prior_where_masked,
     reconstruction_nll,
 )
-from vase.paper_inference import PaperInference
+from vase.rules import as_configured
+from vase.slots import from_split_layout
 
 # The fused Adam kernel updates all ~2M parameters of the paper preset in one pass: ~2.4 ms per step
 # against ~5 ms for the default multi-tensor one. `vase bench` times the step with both.
@@ -53,6 +54,7 @@ class Encoded:
     usage: torch.Tensor  # latent use as the rule set reads it (information or KL)
     noise: torch.Tensor  # the reparameterisation's eps (eq. 2)
     class_logits: torch.Tensor | None  # q_psi on [x; x'], with S
+    probs: torch.Tensor | None  # q_psi(s|x) averaged over the real batch, with S
     decoded: dict = field(default_factory=dict)  # env -> (batch logits, dream logits, NLL per image)
 
 
@@ -86,13 +88,11 @@ class Learner:
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=cfg.train.lr, fused=fused)
         self.classifier_optimizer = torch.optim.Adam(self.classifier.parameters(), lr=cfg.inference.classifier_lr,
                                                      fused=fused)
-        self.masks = LatentMasks(m.k_max, m.latents, cfg.mask, device)
-        paper = cfg.inference.rules == "paper"
-        self.inference = (PaperInference if paper else EnvironmentInference)(
-            cfg.inference, m.k_max, m.latents, use_masks=cfg.mask.enabled, device=device)
-        # The paper's rule set is eq. 3 as written too: none of the objective's [ours] additions.
-        self.objective = dataclasses.replace(cfg.objective, aggregate_weight=0.0, fresh_aggregate_weight=0.0,
-                                             new_env_ramp_steps=0) if paper else cfg.objective
+        # S (with A inside it: masks belong to slots) and D, or their stand-ins; eq. 3 under the rule set.
+        self.inference = build(cfg, device, self.classifier, self.classifier_optimizer)
+        self.slots = self.inference.slots
+        self.dreaming = Dreaming(cfg.dream, self.snapshot) if cfg.dream.enabled else NoDreams()
+        self.objective = as_configured(cfg).objective
         self.autocast = precision_context(device, cfg.train.precision)
         if cfg.train.precision != "fp32":  # the CPU "fast" layers are float32 only: autocast needs plain ones
             use_implementation(self.model, "nchw")
@@ -106,24 +106,19 @@ class Learner:
         self.step = 0
 
     # -- the pieces of eq. 8 ------------------------------------------------------------------------
-    def dream_environments(self) -> list[int]:
-        """Past environments to dream from. With S off every batch is environment 0, so the dreams
-        come from environment 0 as the (tau-steps old) snapshot remembers it."""
-        if not self.cfg.inference.enabled:
-            return [0]
-        return self.inference.past_environments()
+    def mask(self, env: int) -> torch.Tensor:
+        """a^env as the batches of env are trained and decoded with it (all ones with A off)."""
+        return self.inference.mask(env)
 
     def dream(self) -> Dreams | None:
-        past = self.dream_environments() if self.cfg.dream.enabled else []
-        if not past or self.inference.n_envs == 0:
-            return None
+        """x' ~ p_theta'(x | z, s') of the environments the inference dreams from (none with D off)."""
         with self.autocast():
-            return self.snapshot.dream(past, self.cfg.dream.batch_size, self.cfg.model.latents, self.generator)
+            return self.dreaming.dream(self.inference.dream_environments(), self.cfg.model.latents, self.generator)
 
     def decode(self, posterior: Posterior, noise: torch.Tensor, env: int, dreams: Dreams | None):
         """Decode the real batch under env (masked posterior, eq. 2) and the dreams under s', in one pass."""
         batch = noise.shape[0]
-        mask = self.masks.mask(env)
+        mask = self.mask(env)
         z = masked_sample(posterior.mu[:batch], posterior.logvar[:batch], mask, noise)
         envs = torch.full((batch,), env, dtype=torch.long, device=self.device)
         if dreams is not None:
@@ -161,10 +156,9 @@ class Learner:
         losses.update(self.imagination_term(enc, s))  # Fig. 5B, off by default [ours]
         losses["total"] = self.total(losses)
         values = self.update(losses, enc, s, dreams)
-        if decision.verdict != "pending":  # a doubtful batch trains but does not move the statistics
-            self.bookkeeping(s, enc, mask, maskable, recon)
-        if self.cfg.dream.enabled and (t + 1) % self.cfg.dream.snapshot_every == 0:
-            self.snapshot.sync(self.model)  # every tau steps (paper §3.5)
+        # Eq. 5-6's statistics of s: L_s, its latent use, then a^s.
+        self.inference.bookkeeping(decision, recon.detach().mean(), enc.usage, enc.alpha, mask, maskable)
+        self.dreaming.stepped(t, self.model)  # every tau steps the snapshot is re-synced (paper §3.5)
         self.step += 1
         return StepOutput(step=t, decision=decision, losses=values, kl_per_latent=enc.kl, alpha=enc.alpha,
                           mask=mask, extra={"capacity": target})
@@ -183,8 +177,8 @@ class Learner:
             kl = kl_per_latent(real.mu, real.logvar).mean(0)
             usage = self.inference.reading(kl, alpha)  # latent use as the rule set reads it
         noise = torch.randn(real.mu.shape, generator=self.generator, device=self.device)
-        logits = self.classifier(posterior.hidden) if self.cfg.inference.enabled else None
-        return Encoded(x, posterior, real, alpha, kl, usage, noise, logits)
+        logits, probs = self.inference.classify(posterior.hidden, batch)
+        return Encoded(x, posterior, real, alpha, kl, usage, noise, logits, probs)
 
     def reconstruct(self, enc: Encoded, env: int, dreams: Dreams | None):
         """(batch logits, dream logits, -log p(x|z^env, env) per image), decoded once per env."""
@@ -194,29 +188,20 @@ class Learner:
         return enc.decoded[env]
 
     def infer_environment(self, enc: Encoded, dreams: Dreams | None) -> Decision:
-        """S on: eq. 6 (`inference.rules` chooses the rule set). S off: one environment, 0."""
-        t = self.step
-        if self.cfg.inference.enabled:
-            probs = F.softmax(enc.class_logits[: enc.x.shape[0]].detach(), dim=1).mean(0)
-            error = lambda env: float(self.reconstruct(enc, env, dreams)[2].detach().mean())  # noqa: E731
-            return self.inference.infer(t, probs, enc.alpha, enc.usage, self.masks, error)
-        if self.inference.n_envs == 0:
-            return self.inference.infer(t, torch.ones(1, device=self.device), enc.alpha, enc.usage, self.masks,
-                                        lambda env: 0.0)
-        return Decision(t, 0, 0, "same")
+        """Eq. 6 under the rule set `inference.rules`; with S off, environment 0."""
+        error = lambda env: float(self.reconstruct(enc, env, dreams)[2].detach().mean())  # noqa: E731
+        return self.inference.infer(self.step, enc.probs, enc.alpha, enc.usage, error)
 
     def enter(self, decision: Decision, alpha: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The mask a^s this batch trains under, and the latents a^s may switch off: any (eq. 5, the
-        paper rules); other slots' latents with S and the vase rules; learnt ones with one slot
-        [ours, docs/method.md]. A new environment starts its mask from this batch, and the snapshot
-        is synced, so the old environments are dreamt by the model that knew them [ours]."""
+        """The mask a^s this batch trains under, and the latents a^s may switch off (every one in
+        eq. 5; the rule set may narrow them, `vase.rules`). A new environment starts its mask from
+        this batch, and tells D (`Dreaming.new_environment`)."""
         s = decision.env
-        single_slot = not self.cfg.inference.enabled and self.cfg.inference.rules == "vase"
-        maskable = self.masks.learnt[s].clone() if single_slot else self.inference.maskable(s)
+        maskable = self.inference.maskable(s)
         if decision.allocated:
-            self.masks.start(s, alpha, maskable)
-            self.snapshot.sync(self.model)
-        return self.masks.mask(s).clone(), maskable  # all ones when A is off
+            self.inference.start(s, alpha, maskable)
+            self.dreaming.new_environment(self.model)
+        return self.mask(s).clone(), maskable  # all ones when A is off
 
     def mdl_term(self, enc: Encoded, decision: Decision, mask: torch.Tensor, maskable: torch.Tensor,
                  recon: torch.Tensor) -> tuple[dict[str, torch.Tensor], float]:
@@ -262,7 +247,7 @@ class Learner:
         if transfer is None:
             return {}
         n = min(self.cfg.imagination.batch_size, enc.x.shape[0])
-        mask = self.masks.mask(s)
+        mask = self.mask(s)
         with torch.no_grad():
             codes = enc.real.mu[:n] * mask
             prior = torch.randn(codes.shape, generator=self.generator, device=self.device)
@@ -276,8 +261,8 @@ class Learner:
 
     def transferable_latents(self, s: int) -> torch.Tensor | None:
         """Latents some past environment uses and s does not, or None (imagination off, no past
-        environment, or nothing to transfer)."""
-        if not (self.cfg.imagination.enabled and self.cfg.inference.enabled):
+        environment, as with S off, or nothing to transfer)."""
+        if not self.cfg.imagination.enabled:
             return None
         past = self.inference.past_environments()
         if not past:
@@ -288,8 +273,7 @@ class Learner:
     def update(self, losses: dict[str, torch.Tensor], enc: Encoded, env: int, dreams: Dreams | None) -> dict:
         """q_psi's step (on detached features, so separate), then the model's, after one host read of
         every loss term and the gradient norm (the NaN check and the logs)."""
-        if self.cfg.inference.enabled:
-            losses["classifier"] = self._train_classifier(enc.class_logits, env, enc.x.shape[0], dreams)
+        losses.update(self.inference.train_classifier(enc.class_logits, env, enc.x.shape[0], dreams))
         self.optimizer.zero_grad(set_to_none=True)
         losses["total"].backward()
         readings = torch.stack([*(v.detach() for v in losses.values()), self._gradient_norm()]).tolist()
@@ -297,26 +281,6 @@ class Learner:
         self._check_finite(values, readings[-1])
         self.optimizer.step()
         return values
-
-    def bookkeeping(self, s: int, enc: Encoded, mask: torch.Tensor, maskable: torch.Tensor,
-                    recon: torch.Tensor) -> None:
-        """Eq. 6's running error L_s and latent use of s (masked latents are prior noise, eq. 2, and
-        carry nothing for s), then eq. 5's mask; a changed mask re-opens s's settling period."""
-        self.inference.record(s, recon.detach().mean(), torch.where(mask.bool(), enc.usage, 0.0))
-        used = None if self.cfg.inference.enabled else self.inference.used(s)  # the single-slot rule's record
-        if self.cfg.mask.enabled and not torch.equal(self.masks.update(s, enc.alpha, maskable, used), mask):
-            self.inference.resettle(s, self.step)  # L_s was measured under the old mask
-
-    def _train_classifier(self, logits: torch.Tensor, env: int, batch: int, dreams: Dreams | None) -> torch.Tensor:
-        """q_psi: cross-entropy on the real batch (inferred label) and on dreams (their label)."""
-        labels = torch.full((batch,), env, dtype=torch.long, device=self.device)
-        if dreams is not None:
-            labels = torch.cat([labels, dreams.env])
-        loss = F.cross_entropy(logits, labels)
-        self.classifier_optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.classifier_optimizer.step()
-        return loss.detach()
 
     def _gradient_norm(self) -> torch.Tensor:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
@@ -344,16 +308,13 @@ class Learner:
     @torch.no_grad()
     def infer_slot(self, x: torch.Tensor) -> int:
         """The slot the classifier would pick for x (0 when S is off); evaluation only, no decision."""
-        if not self.cfg.inference.enabled or self.inference.n_envs == 0:
-            return 0
-        probs = F.softmax(self.classifier(self.model.encoder(x).hidden), dim=1).mean(0)
-        return self.inference.predict(probs)
+        return self.inference.slot_of(x, self.model.encoder)
 
     @torch.no_grad()
     def reconstruct_mean(self, x: torch.Tensor, env: int) -> torch.Tensor:
         """Reconstruction from mu under env with a^env (masked latents at the prior mean, 0)."""
         post = self.model.encoder(x)
-        z = post.mu * self.masks.mask(env)
+        z = post.mu * self.mask(env)
         return torch.sigmoid(
             self.model.decoder(z, torch.full((x.shape[0],), env, dtype=torch.long, device=self.device))
         )
@@ -375,8 +336,7 @@ class Learner:
             "snapshot": self.snapshot.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "classifier_optimizer": self.classifier_optimizer.state_dict(),
-            "masks": self.masks.state_dict(),
-            "inference": self.inference.state_dict(),
+            "inference": self.inference.state_dict(),  # with the slots: a^s, L_s, usage
             "capacity_starts": dict(self.capacity_starts),
             "generator": self.generator.get_state(),
             "generator_device": self.device.type,
@@ -390,8 +350,10 @@ class Learner:
         self.snapshot.load_state_dict(d["snapshot"])
         self.optimizer.load_state_dict(d["optimizer"])
         self.classifier_optimizer.load_state_dict(d["classifier_optimizer"])
-        self.masks.load_state_dict(d["masks"])
-        self.inference.load_state_dict(d["inference"])
+        inference = d["inference"]
+        if "masks" in d:  # the split layout: each slot's mask apart from the rest of it
+            inference = from_split_layout(inference, d["masks"])
+        self.inference.load_state_dict(inference)
         self.capacity_starts = dict(d.get("capacity_starts", {}))  # absent in checkpoints from before it
         # A CPU generator's state cannot seed a CUDA one (different algorithms). Moved to another
         # kind of device, the run continues from a fresh stream derived from its seed and step:

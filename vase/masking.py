@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from vase.config import MaskConfig
+from vase.slots import Slot
 
 
 def atypicality(mu: torch.Tensor, logvar: torch.Tensor) -> torch.Tensor:
@@ -34,7 +35,7 @@ def hysteresis(
 ) -> torch.Tensor:
     """Eq. 5 with two thresholds: off above lambda_high, on below lambda_low, else unchanged.
 
-    Only `maskable` latents can be switched off (default: all). See `LatentMasks` for why.
+    Only `maskable` latents can be switched off (default: all). See `Masks` for why.
     """
     on = alpha < cfg.lambda_low
     off = alpha > cfg.lambda_high
@@ -44,89 +45,61 @@ def hysteresis(
     return torch.where(off, torch.zeros_like(previous), torch.where(on, torch.ones_like(previous), previous))
 
 
-class LatentMasks:
-    """One mask a^s per environment slot, plus the smoothed atypicality that drives it.
+def start_mask(slot: Slot, alpha: torch.Tensor, maskable: torch.Tensor | None, cfg: MaskConfig) -> None:
+    """A newly allocated environment takes the batch's own mask (its latents' typicality now)."""
+    slot.start(alpha, hysteresis(alpha, torch.ones_like(alpha), cfg, maskable))
 
-    A new slot starts with every latent on: unused latents have alpha ~ 0 and are spare capacity.
 
-    Which latents may be masked is the caller's `maskable` argument [ours]. Masking exists to stop
-    an environment from retraining latents that encode factors already learnt (paper §3.3). A latent
-    that is being learnt right now is atypical too, until its aggregate posterior settles to the
-    prior, and masking it would stop that learning: masked latents get no gradient (eq. 2), so
-    their atypicality never falls again.
-    - With environment inference on, the learner passes the latents that *other* environments use.
-    - With S off there is one slot, and the learner passes its `learnt` latents: those it has used
-      (usage above `used_kl`) while their smoothed alpha was settled below lambda_low. Literal eq. 5
-      (every latent maskable) masked latents while they were being learnt and closed all 24 of
-      them in the "A" and "DA" rows (docs/method.md).
+class Masks:
+    """A on: each slot's mask a^s is applied to its batches (eq. 2) and updated from them (eq. 5).
+
+    Which latents may be masked is the inference's `maskable(s)` (`vase.rules`: every latent as
+    printed; `others_latents_only`, `learnt_latents_only`). Masking exists to stop an environment
+    from retraining latents that encode factors already learnt (paper §3.3).
     """
 
-    def __init__(self, k_max: int, latents: int, cfg: MaskConfig, device: torch.device | str = "cpu"):
+    def __init__(self, cfg: MaskConfig):
         self.cfg = cfg
-        self.device = torch.device(device)
-        self.masks = torch.ones(k_max, latents, device=device)
-        self.alpha = torch.zeros(k_max, latents, device=device)
-        self.initialised = torch.zeros(k_max, dtype=torch.bool)  # host-side: read by `if`s
-        self.learnt = torch.zeros(k_max, latents, dtype=torch.bool, device=device)  # used while settled; never cleared
 
-    def mask(self, env: int) -> torch.Tensor:
-        if not self.cfg.enabled:
-            return torch.ones_like(self.masks[env])
-        return self.masks[env]
+    def applied(self, slot: Slot) -> torch.Tensor:
+        return slot.mask
 
-    def batch_mask(self, alpha: torch.Tensor, env: int, maskable: torch.Tensor | None = None) -> torch.Tensor:
-        """a(x) for the agreement test of eq. 6: the hysteresis rule relative to a^env."""
-        return hysteresis(alpha, self.mask(env), self.cfg, maskable)
+    def update(self, slot: Slot, alpha: torch.Tensor, maskable: torch.Tensor | None,
+               used: torch.Tensor | None = None) -> bool:
+        """Fold one batch's alpha into a^s (EMA then hysteresis); True when a^s changed.
 
-    def start(self, env: int, alpha: torch.Tensor, maskable: torch.Tensor | None = None) -> None:
-        """A newly allocated environment takes the batch's own mask (its latents' typicality now)."""
-        self.alpha[env] = alpha
-        self.masks[env] = hysteresis(alpha, torch.ones_like(alpha), self.cfg, maskable)
-        self.initialised[env] = True
-        self.learnt[env] = False
-
-    def update(
-        self, env: int, alpha: torch.Tensor, maskable: torch.Tensor | None = None, used: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Fold one batch's alpha into a^env (EMA then hysteresis) and return the new mask.
-
-        `used` (the latents env's usage record counts as used) marks those whose smoothed alpha is
+        `used` (the latents s's usage record counts as used) marks those whose smoothed alpha is
         settled as learnt; the mask itself is decided before, on the previous batches' `learnt`.
         """
-        if not self.initialised[env]:
-            self.start(env, alpha, maskable)
+        before = slot.mask
+        if not slot.initialised:
+            start_mask(slot, alpha, maskable, self.cfg)
         else:
-            self.alpha[env] = self.cfg.ema * self.alpha[env] + (1 - self.cfg.ema) * alpha
-            self.masks[env] = hysteresis(self.alpha[env], self.masks[env], self.cfg, maskable)
+            slot.alpha = self.cfg.ema * slot.alpha + (1 - self.cfg.ema) * alpha
+            slot.mask = hysteresis(slot.alpha, slot.mask, self.cfg, maskable)
         if used is not None:
-            self.learnt[env] |= used & (self.alpha[env] < self.cfg.lambda_low)
-        return self.mask(env)
+            slot.learnt = slot.learnt | (used & (slot.alpha < self.cfg.lambda_low))
+        return not torch.equal(slot.mask, before)
 
-    def row(self, env: int) -> dict:
-        """The state of one environment's mask, to restore with `restore_row`."""
-        return {
-            "mask": self.masks[env].clone(),
-            "alpha": self.alpha[env].clone(),
-            "initialised": bool(self.initialised[env]),
-            "learnt": self.learnt[env].clone(),
-        }
+    def disagreement(self, slot: Slot, alpha: torch.Tensor, scope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Latents on which the batch's own mask a(x) (eq. 5's hysteresis relative to a^s) contradicts
+        a^s, the second test of eq. 6, among `scope`: (latents a(x) may switch off, latents it may
+        switch on)."""
+        on = slot.mask.bool()
+        lost = on & (alpha > self.cfg.lambda_high) & scope[0]
+        gained = ~on & (alpha < self.cfg.lambda_low) & scope[1]
+        return lost | gained
 
-    def restore_row(self, env: int, row: dict) -> None:
-        self.masks[env], self.alpha[env], self.initialised[env] = row["mask"], row["alpha"], row["initialised"]
-        self.learnt[env] = row["learnt"]
 
-    def state_dict(self) -> dict:
-        return {
-            "masks": self.masks.clone(),
-            "alpha": self.alpha.clone(),
-            "initialised": self.initialised.clone(),
-            "learnt": self.learnt.clone(),
-        }
+class AllOnes:
+    """A off: every latent of every slot is always on; no mask is updated or tested."""
 
-    def load_state_dict(self, d: dict) -> None:
-        self.masks = d["masks"].to(self.device, copy=True)
-        self.alpha = d["alpha"].to(self.device, copy=True)
-        self.initialised = d["initialised"].to("cpu", copy=True)
-        # Checkpoints written before the single-slot rule have no record: nothing learnt yet.
-        self.learnt = d["learnt"].to(self.device, copy=True) if "learnt" in d else \
-            torch.zeros_like(self.masks, dtype=torch.bool)
+    def applied(self, slot: Slot) -> torch.Tensor:
+        return torch.ones_like(slot.mask)
+
+    def update(self, slot: Slot, alpha: torch.Tensor, maskable: torch.Tensor | None,
+               used: torch.Tensor | None = None) -> bool:
+        return False
+
+    def disagreement(self, slot: Slot, alpha: torch.Tensor, scope: tuple[torch.Tensor, torch.Tensor]) -> None:
+        return None

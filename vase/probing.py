@@ -89,7 +89,7 @@ class PosteriorSamples:
     @torch.no_grad()
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         post = self.encoder.posterior(x)
-        mask = self.learner.masks.mask(self.learner.infer_slot(x))
+        mask = self.learner.mask(self.learner.infer_slot(x))
         noise = torch.randn(post.mu.shape, generator=self.generator, device=post.mu.device)
         return masked_sample(post.mu, post.logvar, mask, noise)
 

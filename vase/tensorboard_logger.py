@@ -68,7 +68,7 @@ class TensorBoardLogger(Callback):
             slot = learner.infer_slot(run.held_out[i][:PANEL])
             grid = traversal_grid(learner, run.held_out[i][0], slot, trainer.cfg.inference.used_kl)
             self.writer.add_image(f"traversal/{run.envs[i].name}", grid, t)
-        self.writer.add_image("mask/environments", mask_image(learner.masks.masks, learner.inference.n_envs), t)
+        self.writer.add_image("mask/environments", mask_image(learner.slots.stack("mask"), learner.inference.n_envs), t)
         for name, fig in run_figures(run).items():
             self.writer.add_image(f"figures/{name}", fig, t, dataformats="HWC")
 

@@ -22,11 +22,11 @@ def reconstruction_grid(originals: torch.Tensor, reconstructions: torch.Tensor) 
 
 def latent_colours(learner, env: int, used_kl: float) -> torch.Tensor:
     """(N, 3) colour per latent for slot env: masked by a^env, used (its running information,
-    `EnvironmentInference.usage`, above used_kl) or spare (Fig. 2 top's row colours). With S off
+    `vase.slots.Slot.usage`, above used_kl) or spare (Fig. 2 top's row colours). With S off
     there is one slot and no usage record, so every unmasked latent counts as used."""
-    mask = learner.masks.mask(env).cpu()
+    mask = learner.mask(env).cpu()
     n = mask.shape[0]
-    usage = learner.inference.usage[env] if learner.cfg.inference.enabled else torch.full((n,), used_kl + 1)
+    usage = learner.slots[env].usage if learner.cfg.inference.enabled else torch.full((n,), used_kl + 1)
     colours = torch.tensor([USED if u > used_kl else SPARE for u in usage.tolist()])
     colours[mask == 0] = torch.tensor(MASKED)
     return colours
@@ -43,7 +43,7 @@ def traversal_frames(
     latent kept at the seed's mean (masked ones at the prior mean 0, as eq. 2 decodes them).
     """
     post = learner.model.encoder(image[None])
-    base = post.mu[0] * learner.masks.mask(env)
+    base = post.mu[0] * learner.mask(env)
     if latents is None:
         latents = torch.argsort(kl_per_latent(post.mu, post.logvar)[0], descending=True)
     values, latents = values.to(base.device, base.dtype), latents.to(base.device)

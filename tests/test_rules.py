@@ -1,0 +1,306 @@
+"""The rule registry (`vase.rules`): each rule on a hand-made case where it changes the outcome and
+one where it does not, and the stand-ins of S, A and D when they are off."""
+import dataclasses
+import re
+from pathlib import Path
+from unittest.mock import patch
+
+import pytest
+import torch
+
+from vase import config_sections
+from vase.config import Config, InferenceConfig, MaskConfig, build_config
+from vase.dreaming import NoDreams
+from vase.inference import MASK, SingleEnvironment, build
+from vase.learner import Learner
+from vase.masking import AllOnes
+from vase.objective import environment_capacity, mdl_loss
+from vase.rules import HOOKS, RULE_SETS, RULES, Rule, as_configured
+
+N = 4
+
+
+def case_config(with_s=True, mask_ema=0.0, with_a=True) -> Config:
+    cfg = Config(inference=InferenceConfig(kappa=1.5, error_margin=25.0, patience=3, cooldown=5, used_kl=0.1,
+                                           error_ema=0.0, relied_kl=1.0, foreign_use=0.5, enabled=with_s),
+                 mask=MaskConfig(lambda_low=0.5, lambda_high=1.0, ema=mask_ema, enabled=with_a))
+    cfg.model.k_max, cfg.model.latents = 4, N
+    cfg.objective.aggregate_weight = 1.0
+    return cfg
+
+
+def with_rules(names, cfg=None, **kwargs):
+    """The inference of `cfg` (default: `case_config(**kwargs)`) under a rule set of exactly `names`."""
+    cfg = case_config(**kwargs) if cfg is None else cfg
+    with patch.dict(RULE_SETS, {"case": tuple(names)}):
+        cfg.inference.rules = "case"
+        return build(cfg)
+
+
+def objective(names):
+    cfg = case_config()
+    with patch.dict(RULE_SETS, {"case": tuple(names)}):
+        cfg.inference.rules = "case"
+        return as_configured(cfg).objective
+
+
+def onehot(s):
+    return torch.nn.functional.one_hot(torch.tensor(s), 4).float()
+
+
+def decide(inf, step, error, info=(1.0, 1.0, 0.0, 0.0), probs=None):
+    """One batch through eq. 6 and the bookkeeping, as the learner runs them (alpha 0: every latent typical)."""
+    alpha, info = torch.zeros(N), torch.tensor(info)
+    probs = onehot(0) if probs is None else probs
+    error_under = (lambda env: error.get(env, 100.0)) if isinstance(error, dict) else (lambda env: error)
+    d = inf.infer(step, probs, alpha, info, error_under)
+    if d.allocated:
+        inf.start(d.env, alpha, inf.maskable(d.env))
+    inf.bookkeeping(d, error_under(d.env), info, alpha, inf.mask(d.env), inf.maskable(d.env))
+    return d
+
+
+def three_environments(names):
+    inf = with_rules(names)
+    decide(inf, 0, 100.0)
+    decide(inf, 1, {0: 1000.0, 1: 100.0})
+    decide(inf, 2, {0: 1000.0, 1: 1000.0, 2: 100.0})
+    assert (inf.n_envs, inf.current) == (3, 2)
+    return inf
+
+
+# -- one case per rule: the outcome of a rule set with and without the rule ---------------------------------
+def after_one_bad_batch(error):
+    def run(names):
+        inf = with_rules(names)
+        decide(inf, 0, 100.0)
+        return decide(inf, 10, error).verdict
+    return run
+
+
+def error_after_a_batch(error):
+    def run(names):
+        inf = with_rules(names)
+        decide(inf, 0, 100.0)
+        decide(inf, 10, error)
+        return float(inf.slots[0].error)
+    return run
+
+
+def mask_after(alpha0, previous0, mask_ema=0.0):
+    def run(names):
+        inf = with_rules(names, mask_ema=mask_ema)
+        decide(inf, 0, 100.0)
+        inf.slots[0].mask[0] = previous0
+        inf.masking.update(inf.slots[0], torch.tensor([alpha0, 0.0, 0.0, 0.0]), inf.maskable(0))
+        return inf.slots[0].mask.tolist()
+    return run
+
+
+def env_of_a_batch_both_pass(probs):
+    def run(names):
+        inf = with_rules(names)
+        decide(inf, 0, 100.0)
+        decide(inf, 1, {0: 1000.0, 1: 100.0})
+        return decide(inf, 2, {0: 100.0, 1: 100.0}, probs=probs).env
+    return run
+
+
+def verdict_after_allocation(step):
+    def run(names):
+        inf = with_rules(names)
+        decide(inf, 0, 100.0)
+        return decide(inf, step, 1000.0).verdict
+    return run
+
+
+def env_of_a_returning_batch(probs):
+    def run(names):
+        inf = three_environments(names)
+        return decide(inf, 3, {0: 100.0, 1: 1000.0, 2: 1000.0, 3: 1000.0}, probs=probs).env
+    return run
+
+
+def env_of_a_batch_carrying(latent3):
+    def run(names):
+        inf = with_rules(names)
+        decide(inf, 0, 100.0, info=(1.5, 1.5, 0.0, 0.0))
+        decide(inf, 1, {0: 1000.0, 1: 100.0}, info=(1.5, 1.5, 0.0, 2.0))  # env 1 relies on latent 3
+        return decide(inf, 2, {0: 100.0, 1: 1000.0}, info=(1.5, 1.5, 0.0, latent3)).env
+    return run
+
+
+def reading(alpha):
+    def run(names):
+        return with_rules(names).reading(torch.ones(N), torch.full((N,), alpha)).tolist()
+    return run
+
+
+def usage_of_env_0_left_after(steps):
+    def run(names):
+        inf = with_rules(names)
+        decide(inf, 0, 100.0)
+        decide(inf, 10, {0: 1000.0, 1: 100.0}, info=(0.0, 0.0, 1.0, 0.0))  # new env 1
+        assert decide(inf, 20, {0: 100.0, 1: 1000.0}).verdict == "switch"  # back into env 0
+        decide(inf, 21, {0: 120.0, 1: 1000.0}, info=(1.0, 1.0, 0.0, 2.0))  # trained in env 0
+        assert decide(inf, 20 + steps, 10_000.0).verdict == "new"  # the stream leaves env 0
+        return inf.slots[0].usage.tolist()
+    return run
+
+
+def verdict_with_error(error):
+    def run(names):
+        inf = with_rules(names)
+        decide(inf, 0, 1.0)
+        return decide(inf, 1, error).verdict
+    return run
+
+
+def verdict_with_a_masked_latent_smoothed_at(smoothed):
+    def run(names):
+        inf = with_rules(names)
+        decide(inf, 0, 100.0)
+        inf.slots[0].mask[3], inf.slots[0].alpha[3] = 0.0, smoothed
+        return decide(inf, 1, 100.0, info=(1.0, 1.0, 0.0, 1.0)).verdict  # latent 3 typical and informative
+    return run
+
+
+def maskable_in_env_1(usage0):
+    def run(names):
+        inf = with_rules(names)
+        decide(inf, 0, 100.0, info=usage0)
+        decide(inf, 1, {0: 1000.0, 1: 100.0}, info=(0.0, 0.0, 1.0, 0.0))
+        return inf.maskable(1).tolist()
+    return run
+
+
+def maskable_of_one_slot(learnt):
+    def run(names):
+        inf = with_rules(names, with_s=False)
+        decide(inf, 0, 100.0)
+        inf.slots[0].learnt = torch.tensor(learnt)
+        return inf.maskable(0).tolist()
+    return run
+
+
+def capacity_of(start):
+    def run(names):
+        return environment_capacity(3000, start, objective(names))
+    return run
+
+
+def mdl_with(**penalty):
+    def run(names):
+        return float(mdl_loss(torch.tensor([10.0]), torch.tensor([5.0]), 5.0, objective(names), **penalty))
+    return run
+
+
+PAPER = RULE_SETS["paper"]
+# rule -> (a case where it changes the outcome, a case where it does not, the other rules of both runs)
+CASES = {
+    "debouncing": (after_one_bad_batch(1000.0), after_one_bad_batch(120.0), ()),
+    "frozen_while_pending": (error_after_a_batch(1000.0), error_after_a_batch(120.0), ("debouncing",)),
+    "hysteresis": (mask_after(0.7, 0.0), mask_after(2.0, 0.0), ()),
+    "smoothed_atypicality": (mask_after(3.0, 1.0, mask_ema=0.9), mask_after(0.0, 1.0, mask_ema=0.9), ()),
+    "current_first": (env_of_a_batch_both_pass(onehot(0)), env_of_a_batch_both_pass(onehot(1)), ()),
+    "settling": (verdict_after_allocation(1), verdict_after_allocation(10), ()),
+    "ranked_fallback": (env_of_a_returning_batch(torch.tensor([0.2, 0.7, 0.1, 0.0])),
+                        env_of_a_returning_batch(onehot(0)), ()),
+    "foreign_latents": (env_of_a_batch_carrying(1.8), env_of_a_batch_carrying(0.4), ()),
+    "information": (reading(0.5), reading(0.0), ()),
+    "probation": (usage_of_env_0_left_after(3), usage_of_env_0_left_after(10), ()),
+    "error_margin": (verdict_with_error(3.0), verdict_with_error(40.0), ()),
+    "settled_masks": (verdict_with_a_masked_latent_smoothed_at(0.7), verdict_with_a_masked_latent_smoothed_at(2.0),
+                      ()),
+    "others_latents_only": (maskable_in_env_1((2.0, 0.0, 0.0, 0.0)), maskable_in_env_1((2.0, 2.0, 2.0, 2.0)), ()),
+    "learnt_latents_only": (maskable_of_one_slot([False, True, False, False]), maskable_of_one_slot([True] * 4), ()),
+    "own_capacity_ramp": (capacity_of((2990, 5.0)), capacity_of(None), ()),
+    "fresh_latent_penalty": (mdl_with(fresh_atypical=torch.tensor(2.0)), mdl_with(), ()),
+    "aggregate_penalty": (mdl_with(atypical=torch.tensor(2.0)), mdl_with(), ()),
+}
+
+
+@pytest.mark.parametrize("name", list(RULES))
+def test_each_rule_changes_the_outcome_of_its_case_and_not_of_another(name):
+    assert name in CASES, f"rule {name!r} has no test case in CASES"
+    fires, quiet, others = CASES[name]
+    assert fires((*others, name)) != fires(others)
+    assert quiet((*others, name)) == quiet(others)
+
+
+def test_every_case_names_a_rule():
+    assert set(CASES) <= set(RULES)
+
+
+@pytest.mark.parametrize("rule", list(RULES.values()), ids=list(RULES))
+def test_each_rule_documents_itself_and_owns_real_settings(rule):
+    doc = rule.__doc__ or ""
+    assert "Fixes:" in doc or "No failure measured" in doc, "the docstring names the failure the rule fixes"
+    assert "Setting" in doc
+    sections = {f.name: getattr(Config(), f.name) for f in dataclasses.fields(Config)}
+    fields = {f"{name}.{f.name}" for name, section in sections.items() if dataclasses.is_dataclass(section)
+              for f in dataclasses.fields(section)}
+    assert set(rule.settings) <= fields and set(rule.as_printed) <= set(rule.settings)
+    overridden = {name for name in vars(rule) if name in dir(Rule) and not name.startswith("_")}
+    attributes = {"name", "settings", "as_printed", "with_s", "marks_learnt", "state_dict", "load_state_dict"}
+    assert overridden <= set(HOOKS) | attributes, "a rule acts through the hooks of `Rule`"
+
+
+def test_the_rule_sets_are_lists_of_registered_rules():
+    assert tuple(RULE_SETS) == config_sections.RULE_SETS
+    assert RULE_SETS["vase"] == tuple(RULES)
+    assert set(RULE_SETS["paper"]) <= set(RULES)
+
+
+def test_docs_name_every_rule_object():
+    """docs/method.md's table of rules names each rule by its code identifier."""
+    text = (Path(__file__).parent.parent / "docs" / "method.md").read_text()
+    table = text[text.index("## Rules beyond eq. 6"): text.index("## The regime")]
+    for name, rule in RULES.items():
+        assert re.search(rf"`(vase\.rules\.)?{rule.__name__}`", table), rule.__name__
+        assert f"`{name}`" in table, name
+
+
+def test_the_paper_set_reads_eq3_and_the_margin_as_printed():
+    cfg = build_config("cpu", ["inference.rules=paper"])
+    printed = as_configured(cfg)
+    assert (printed.inference.error_margin, printed.objective.fresh_aggregate_weight) == (0.0, 0.0)
+    assert (printed.mask.lambda_low, printed.mask.ema, printed.inference.patience) == (
+        cfg.mask.lambda_low, cfg.mask.ema, cfg.inference.patience)
+    assert as_configured(build_config("cpu", [])) == build_config("cpu", [])
+
+
+# -- stand-ins when a switch is off ---------------------------------------------------------------------------
+def test_with_s_off_every_batch_is_environment_0_without_a_classifier():
+    inf = with_rules(RULE_SETS["vase"], with_s=False)
+    assert isinstance(inf, SingleEnvironment) and inf.dream_environments() == []
+    verdicts = [decide(inf, t, 100.0 if t < 3 else 10_000.0, probs=onehot(2)) for t in range(6)]
+    assert [(d.verdict, d.env) for d in verdicts] == [("first", 0)] + [("same", 0)] * 5 and inf.n_envs == 1
+    assert inf.classify(torch.zeros(2, 8), 2) == (None, None) and inf.train_classifier(None, 0, 2, None) == {}
+    assert inf.dream_environments() == [0] and inf.past_environments() == []
+    assert inf.rule("others_latents_only") is None and inf.rule("learnt_latents_only") is not None
+
+
+def test_with_a_off_every_mask_is_all_ones_and_never_tested():
+    inf = with_rules(PAPER, with_a=False)
+    assert isinstance(inf.masking, AllOnes)
+    decide(inf, 0, 100.0)
+    inf.slots[0].mask = torch.tensor([0.0, 0.0, 1.0, 1.0])  # as if eq. 5 had masked latents 0 and 1
+    assert inf.mask(0).tolist() == [1.0] * N
+    assert not inf.masking.update(inf.slots[0], torch.full((N,), 5.0), inf.maskable(0))
+    assert inf.slots[0].mask.tolist() == [0.0, 0.0, 1.0, 1.0]
+    d = decide(inf, 1, 100.0, info=(1.0, 1.0, 1.0, 1.0))  # disagrees with a^0 on latents 0 and 1
+    assert MASK not in d.reasons and d.verdict == "same"
+
+
+def test_with_d_off_there_are_no_dreams_and_the_snapshot_is_left_alone():
+    cfg = build_config("cpu", ["model.channels=8,8,8,8", "model.hidden=32", "model.latents=6", "model.k_max=4",
+                               "train.batch_size=16", "dream.snapshot_every=1"], "SA")
+    lrn = Learner(cfg)
+    assert isinstance(lrn.dreaming, NoDreams)
+    before = {k: v.clone() for k, v in lrn.snapshot.state_dict().items()}
+    for _ in range(3):
+        out = lrn.training_step(torch.rand(16, 1, 64, 64).round())
+        assert lrn.dream() is None and "dream_encoder" not in out.losses
+    assert all(torch.equal(before[k], v) for k, v in lrn.snapshot.state_dict().items())
+    assert NoDreams().dream([0, 1], 6, lrn.generator) is None

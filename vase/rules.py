@@ -1,0 +1,410 @@
+"""Every addition to eq. 3-6, one named rule each, and the rule sets made of them (docs/method.md,
+"Rules beyond eq. 6").
+
+A rule set is a list of rule names, chosen with `inference.rules`. `paper` is eq. 6 as written, with
+the spec's debouncing and eq. 5's hysteresis on a smoothed alpha; `vase` has every rule. The
+inference (`vase.inference.EnvironmentInference`) runs eq. 3-6 as printed and calls the rules'
+hooks at defined points (`Rule`). A rule acts in one of two ways:
+- through hooks, for a rule that changes what eq. 6 decides or what a slot records;
+- through settings it owns (`as_printed`): left out of the set, each takes the value that gives
+  the printed equation (`as_configured`), e.g. `inference.error_margin` 0 for kappa * L_s alone.
+  The objective's additions to eq. 3 ([ours] terms, `vase.objective.mdl_loss` and
+  `environment_capacity`) are rules of this kind.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from vase import config
+from vase.masking import information
+from vase.slots import Slot, row
+
+if TYPE_CHECKING:
+    from vase.inference import Decision, EnvironmentInference
+
+# The tests of eq. 6 a candidate environment can fail, as `Decision.reasons` names them.
+RECONSTRUCTION, MASK, USAGE = "reconstruction", "mask", "usage"
+
+
+class Rule:
+    """A named addition to eq. 3-6. Each hook below is the printed equations' behaviour; a rule
+    overrides the hooks it changes, and the inference calls only those, in the set's order."""
+
+    name: ClassVar[str]
+    settings: ClassVar[tuple[str, ...]] = ()  # the config fields the rule reads or owns
+    as_printed: ClassVar[dict] = {}  # setting -> its value in eq. 3-6 as printed (or a function of the config)
+    with_s: ClassVar[bool | None] = None  # True: only with S on; False: only with S off (one slot)
+    marks_learnt: ClassVar[bool] = False  # the slot's mask update records its learnt latents
+
+    def reading(self, kl: torch.Tensor, alpha: torch.Tensor, usage: torch.Tensor) -> torch.Tensor:
+        """A batch's per-latent use, from its mean KL and atypicality (eq. 4); printed: the KL."""
+        return usage
+
+    def begin(self, inf: EnvironmentInference, step: int) -> None:
+        """Called first on every batch judged by eq. 6 once an environment exists."""
+
+    def unjudged(self, inf: EnvironmentInference, step: int) -> bool:
+        """True: the batch trains in the current environment without being judged."""
+        return False
+
+    def candidates(self, inf: EnvironmentInference, probs: torch.Tensor, envs: list[int]) -> list[int]:
+        """The environments tested, in order; printed: s_hat alone."""
+        return envs
+
+    def relied_on(self, inf: EnvironmentInference, env: int, latents: torch.Tensor) -> torch.Tensor:
+        """Latents whose turning atypical counts against env; printed: the ones env uses."""
+        return latents
+
+    def mask_scope(self, inf: EnvironmentInference, env: int, alpha: torch.Tensor, usage: torch.Tensor,
+                   scope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The latents the mask test reads, (switched off by the batch, switched on by the batch);
+        printed: the latents env or the batch uses, for both."""
+        return scope
+
+    def test(self, inf: EnvironmentInference, env: int, usage: torch.Tensor) -> tuple[str, list[int]] | None:
+        """A further test of candidate env: (reason, latents) when it fails, None when it passes."""
+        return None
+
+    def leaving(self, inf: EnvironmentInference, env: int) -> int | None:
+        """The stream goes to env; returns an environment whose statistics were restored, if any."""
+        return None
+
+    def switched(self, inf: EnvironmentInference, env: int, step: int) -> None:
+        """The stream has switched back into the past environment env."""
+
+    def allocated(self, inf: EnvironmentInference, env: int, step: int) -> None:
+        """A new environment env has been allocated."""
+
+    def records(self, decision: Decision) -> bool:
+        """False: this batch trains but does not move the statistics of its slot."""
+        return True
+
+    def maskable(self, inf: EnvironmentInference, env: int, latents: torch.Tensor) -> torch.Tensor:
+        """Latents a^env may switch off; printed (eq. 5): every latent."""
+        return latents
+
+    def mask_changed(self, inf: EnvironmentInference, env: int, step: int) -> None:
+        """Training in env has just changed a^env."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, d: dict, device: torch.device) -> None:
+        """Reads the rule's own keys of the inference's state dict."""
+
+
+# -- in both sets ------------------------------------------------------------------------------------
+class Debouncing(Rule):
+    """A "new" verdict must hold on `patience` consecutive batches before a slot is allocated;
+    without it the first failing batch allocates. No failure measured: the spec's rationale (eq. 6's
+    debouncing), that a single batch is a noisy witness. Setting: `inference.patience`."""
+
+    name = "debouncing"
+    settings = ("inference.patience",)
+    as_printed = {"inference.patience": 1}
+
+
+class FrozenWhilePending(Rule):
+    """A batch whose "new" verdict is pending trains under the current slot but updates none of its
+    statistics (L_s, usage, mask). No failure measured: a rationale, that a possible new
+    environment's batches should not move the old slot's statistics. Setting: none."""
+
+    name = "frozen_while_pending"
+
+    def records(self, decision: Decision) -> bool:
+        return decision.verdict != "pending"
+
+
+class Hysteresis(Rule):
+    """Eq. 5 with two thresholds: a latent turns off above lambda_high, on below lambda_low, and
+    keeps its state in between; without it lambda_low = lambda_high, eq. 5's single lambda. Fixes:
+    alpha on one batch is noisy, and a single threshold flipped latents back and forth
+    (docs/method.md). Settings: `mask.lambda_low`, `mask.lambda_high`."""
+
+    name = "hysteresis"
+    settings = ("mask.lambda_low", "mask.lambda_high")
+    as_printed = {"mask.lambda_low": lambda cfg: cfg.mask.lambda_high}
+
+
+class SmoothedAtypicality(Rule):
+    """Eq. 5 reads alpha averaged over recent batches (an EMA) instead of one batch's. Fixes: alpha on
+    one batch of 64 fluctuates by about ±0.3, as much as the gap between a settled latent and
+    lambda_low (docs/method.md, "Mask (A)"). Setting: `mask.ema`."""
+
+    name = "smoothed_atypicality"
+    settings = ("mask.ema",)
+    as_printed = {"mask.ema": 0.0}
+
+
+# -- the `vase` set --------------------------------------------------------------------------------------
+class CurrentFirst(Rule):
+    """The current environment is tested before s_hat, which decides only when the current fails.
+    Fixes: right after an allocation the classifier still names the old slot, so every batch of the
+    new environment was sent to yet another new slot (8 slots for 3 environments with `paper`,
+    docs/method.md). Setting: none."""
+
+    name = "current_first"
+
+    def candidates(self, inf, probs, envs):
+        return [inf.current] + [s for s in envs if s != inf.current]
+
+
+class Settling(Rule):
+    """A new environment trains unjudged for `cooldown` steps, and a change of its own mask reopens
+    that period with L_s re-learnt under the new mask. Fixes: a slot's L_s, usage and mask rest on a
+    handful of batches; judged against them every batch failed and allocations chained (slots 1-6
+    at steps 3509, 3519, ..., 3559 with `paper`). Setting: `inference.cooldown`."""
+
+    name = "settling"
+    settings = ("inference.cooldown",)
+
+    def __init__(self):
+        self.since = -(10**9)  # the step of the last allocation, or mask change of the current slot
+
+    def unjudged(self, inf, step):
+        return step - self.since < inf.cfg.cooldown
+
+    def allocated(self, inf, env, step):
+        self.since = step
+
+    def mask_changed(self, inf, env, step):
+        if env == inf.current:  # L_s was measured under the old mask, and the decoder input changed
+            self.since = step
+            inf.slots[env].recorded = False
+
+    def state_dict(self):
+        return {"settling_since": self.since}
+
+    def load_state_dict(self, d, device):
+        self.since = int(d["settling_since"])
+
+
+class RankedFallback(Rule):
+    """When the current environment and s_hat fail, the other past environments are tried in the
+    order of q_psi(s|x) before a new one is allocated (extra decodes on failing batches only).
+    Fixes: a classifier drifted towards the newest slot sent a returning environment to a new slot.
+    Setting: none."""
+
+    name = "ranked_fallback"
+
+    def candidates(self, inf, probs, envs):
+        ranked = probs[: inf.n_envs].argsort(descending=True, stable=True).tolist()
+        return envs + [s for s in ranked if s not in envs]
+
+
+class ForeignLatents(Rule):
+    """A past environment env is refused when the batch carries, in a latent env does not use and
+    another environment relies on (usage above `relied_kl`), at least `foreign_use` times that
+    usage: the batch expresses a factor env never had. The mask test cannot see such a latent (a^env
+    leaves a latent env never used on). Fixes: two moving sets share the position latents; moving
+    MNIST costs fewer nats than moving Fashion and fitted under Fashion's threshold. Not applied to
+    the current environment, which may start using a latent at any time as C(t) grows.
+    Settings: `inference.relied_kl`, `inference.foreign_use`."""
+
+    name = "foreign_latents"
+    settings = ("inference.relied_kl", "inference.foreign_use")
+
+    def test(self, inf, env, usage):
+        if env == inf.current:
+            return None
+        latents = self.latents(inf, env, usage).nonzero().flatten().tolist()
+        return (USAGE, latents) if latents else None
+
+    @staticmethod
+    def latents(inf: EnvironmentInference, env: int, usage: torch.Tensor) -> torch.Tensor:
+        relied = inf.usage_elsewhere(env)
+        return ~inf.used(env) & (relied > inf.cfg.relied_kl) & (usage > inf.cfg.foreign_use * relied)
+
+
+class Information(Rule):
+    """Latent use is read as information, KL minus alpha (`vase.masking.information`), not KL.
+    Fixes: latents shifted or narrowed alike for every image cost KL, counted as used, and failed the
+    mask test. Setting: none."""
+
+    name = "information"
+
+    def reading(self, kl, alpha, usage):
+        return information(kl, alpha)
+
+
+@dataclass
+class Visit:
+    """A switch back into a past environment, and that slot as it was before the switch."""
+
+    env: int
+    since: int
+    slot: Slot
+
+
+class Probation(Rule):
+    """A switch back into a past environment that does not last `cooldown` steps is undone: that
+    slot's L_s, usage and mask are restored (no environment lasts less, so its batches were not
+    that environment's data; the weights they trained are not undone). Fixes: moving MNIST passed
+    moving Fashion's tests for a few batches, and Fashion's slot then listed MNIST's latents as its
+    own. With `probation_relies_on_past_usage` the mask test reads, during the visit, the latents
+    the slot used before it (off: see docs/method.md).
+    Settings: `inference.cooldown`, `inference.probation_relies_on_past_usage`."""
+
+    name = "probation"
+    settings = ("inference.cooldown", "inference.probation_relies_on_past_usage")
+
+    def __init__(self):
+        self.visit: Visit | None = None
+
+    def begin(self, inf, step):
+        if self.visit is not None and step - self.visit.since >= inf.cfg.cooldown:
+            self.visit = None  # the switch back has lasted: it was right
+
+    def switched(self, inf, env, step):
+        self.visit = Visit(env, step, inf.slots[env].copy())
+
+    def leaving(self, inf, env):
+        visit = self.visit
+        if visit is None or visit.env == env:
+            return None
+        self.visit = None
+        inf.slots[visit.env] = visit.slot
+        return visit.env
+
+    def relied_on(self, inf, env, latents):
+        # A latent env starts using during the visit has a smoothed alpha from before env left.
+        visit = self.visit
+        if inf.cfg.probation_relies_on_past_usage and visit is not None and visit.env == env:
+            return visit.slot.usage > inf.cfg.used_kl
+        return latents
+
+    def state_dict(self):
+        if self.visit is None:
+            return {"probation": None}
+        slot = self.visit.slot.copy()
+        return {"probation": {"env": self.visit.env, "since": self.visit.since, "slot": vars(slot)}}
+
+    def load_state_dict(self, d, device):
+        visit = d.get("probation")  # None, or absent from a checkpoint with no probation state
+        self.visit = None if visit is None else Visit(int(visit["env"]), int(visit["since"]),
+                                                      row(visit["slot"], None, device))
+
+
+class ErrorMargin(Rule):
+    """The reconstruction threshold is kappa * L_s + margin. Fixes: static sprites are learnt to about
+    1 nat, and kappa * L_s alone is batch noise (about 30 % of static shapes B's own batches were
+    judged new). Setting: `inference.error_margin`."""
+
+    name = "error_margin"
+    settings = ("inference.error_margin",)
+    as_printed = {"inference.error_margin": 0.0}
+
+
+class SettledMasks(Rule):
+    """The mask test reads only latents whose smoothed alpha in env is clearly on one side of the
+    hysteresis band: one env relies on and has settled on (alpha below lambda_low) that turns
+    atypical on the batch, or one env has settled off (above lambda_high) that is typical and
+    informative on the batch. Fixes: a latent being learnt (or returning to the prior) is atypical for
+    a while and flipped verdicts. Settings: `mask.lambda_low`, `mask.lambda_high`."""
+
+    name = "settled_masks"
+    settings = ("mask.lambda_low", "mask.lambda_high")
+
+    def mask_scope(self, inf, env, alpha, usage, scope):
+        smoothed, cfg = inf.slots[env].alpha, inf.mask_cfg
+        settled_on, settled_off = smoothed < cfg.lambda_low, smoothed > cfg.lambda_high
+        return settled_on & inf.relied_on(env), settled_off & (usage > inf.cfg.used_kl)
+
+
+class OthersLatentsOnly(Rule):
+    """A slot may mask only latents other slots use. Fixes: literal eq. 5 masked latents while they
+    were being learnt (masked latents get no gradient, so they stay atypical); the A and DA rows
+    closed all 24 latents. Setting: none."""
+
+    name = "others_latents_only"
+    with_s = True
+
+    def maskable(self, inf, env, latents):
+        return inf.usage_elsewhere(env) > inf.cfg.used_kl
+
+
+class LearntLatentsOnly(Rule):
+    """With S off (one slot), only latents the slot has used while settled (alpha below lambda_low)
+    may be masked. Fixes: the same as `others_latents_only`, in the rows without S. Setting: none."""
+
+    name = "learnt_latents_only"
+    with_s = False
+    marks_learnt = True
+
+    def maskable(self, inf, env, latents):
+        return inf.slots[env].learnt.clone()
+
+
+# -- the objective's additions to eq. 3 (read by `vase.objective`) -----------------------------------------
+class OwnCapacityRamp(Rule):
+    """A new environment's capacity target climbs from the KL it carries at `new_env_ramp_steps`
+    pace, never above C(t) (`vase.objective.environment_capacity`). Fixes: a new slot whose known
+    latents are masked met C(t) at once by collapsing the shared encoder.
+    Setting: `objective.new_env_ramp_steps`."""
+
+    name = "own_capacity_ramp"
+    settings = ("objective.new_env_ramp_steps",)
+    as_printed = {"objective.new_env_ramp_steps": 0}
+
+
+class FreshLatentPenalty(Rule):
+    """In a new environment, gamma times the atypicality of its fresh latents (unmasked, used by no
+    other slot) is added to eq. 3, so filler KL earns nothing (`vase.objective.mdl_loss`). Fixes: a
+    new slot met its capacity with KL that carries no information, in latents neither spare nor
+    informative. Setting: `objective.fresh_aggregate_weight`."""
+
+    name = "fresh_latent_penalty"
+    settings = ("objective.fresh_aggregate_weight",)
+    as_printed = {"objective.fresh_aggregate_weight": 0.0}
+
+
+class AggregatePenalty(Rule):
+    """Gamma times the summed atypicality of the unmasked latents is added to eq. 3, which is blind to
+    how KL splits into information and aggregate shift (`vase.objective.mdl_loss`).
+    No failure measured: off (weight 0) by default. Setting: `objective.aggregate_weight`."""
+
+    name = "aggregate_penalty"
+    settings = ("objective.aggregate_weight",)
+    as_printed = {"objective.aggregate_weight": 0.0}
+
+
+RULES: dict[str, type[Rule]] = {rule.name: rule for rule in (
+    Debouncing, FrozenWhilePending, Hysteresis, SmoothedAtypicality,
+    CurrentFirst, Settling, RankedFallback, ForeignLatents, Information, Probation, ErrorMargin, SettledMasks,
+    OthersLatentsOnly, LearntLatentsOnly, OwnCapacityRamp, FreshLatentPenalty, AggregatePenalty,
+)}
+RULE_SETS: dict[str, tuple[str, ...]] = {
+    "vase": tuple(RULES),
+    "paper": ("debouncing", "frozen_while_pending", "hysteresis", "smoothed_atypicality"),
+}
+HOOKS = ("reading", "begin", "unjudged", "candidates", "relied_on", "mask_scope", "test", "leaving", "switched",
+         "allocated", "records", "maskable", "mask_changed")
+
+
+def build(names: tuple[str, ...], with_s: bool) -> list[Rule]:
+    """The rules named, in order, that act with S on (`with_s`) or off."""
+    return [RULES[name]() for name in names if RULES[name].with_s in (None, with_s)]
+
+
+def hooks(rules: list[Rule]) -> dict[str, list]:
+    """Per hook, the bound methods of the rules that override it, in the set's order."""
+    return {hook: [getattr(r, hook) for r in rules if getattr(type(r), hook) is not getattr(Rule, hook)]
+            for hook in HOOKS}
+
+
+def as_configured(cfg: config.Config) -> config.Config:
+    """A copy of cfg as eq. 3-6 read it under its rule set: a setting owned by a rule left out of the
+    set takes its value in the printed equations. The input is not changed."""
+    out = copy.deepcopy(cfg)
+    chosen = RULE_SETS[cfg.inference.rules]
+    for rule in RULES.values():
+        if rule.name in chosen:
+            continue
+        for key, value in rule.as_printed.items():
+            section, name = key.split(".")
+            setattr(getattr(out, section), name, value(cfg) if callable(value) else value)
+    return out
