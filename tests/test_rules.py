@@ -11,11 +11,13 @@ import torch
 from vase import config_sections
 from vase.config import Config, InferenceConfig, MaskConfig, build_config
 from vase.dreaming import NoDreams
+from vase.errors import ConfigError
 from vase.inference import MASK, SingleEnvironment, build
 from vase.learner import Learner
 from vase.masking import AllOnes
 from vase.objective import environment_capacity, mdl_loss
 from vase.rules import HOOKS, RULE_SETS, RULES, Rule, as_configured
+from vase.table1 import row_label
 
 N = 4
 
@@ -304,3 +306,27 @@ def test_with_d_off_there_are_no_dreams_and_the_snapshot_is_left_alone():
         assert lrn.dream() is None and "dream_encoder" not in out.losses
     assert all(torch.equal(before[k], v) for k, v in lrn.snapshot.state_dict().items())
     assert NoDreams().dream([0, 1], 6, lrn.generator) is None
+
+
+def test_a_rule_left_out_with_without_is_gone_and_its_setting_takes_the_printed_value():
+    """inference.without drops named rules from the chosen set, for the one-rule-out runs that test
+    whether the long regime still needs a rule."""
+    cfg = case_config()
+    cfg.inference.without = ["error_margin", "current_first"]
+    names = build(cfg).rule_names
+    assert "current_first" not in names and "error_margin" not in names
+    assert set(names) == set(RULE_SETS["vase"]) - {"current_first", "error_margin"}
+    assert as_configured(cfg).inference.error_margin == 0.0  # eq. 6's kappa * L_s with no slack
+    assert as_configured(case_config()).inference.error_margin == 25.0
+
+
+def test_without_refuses_a_rule_the_set_does_not_have():
+    with pytest.raises(ConfigError, match="does not have: current_first"):
+        build_config("cpu", ["inference.rules=paper", "inference.without=current_first"]).validate()
+    build_config("cpu", ["inference.without=current_first,settling"]).validate()
+
+
+def test_table1_names_the_rules_a_run_left_out():
+    result = {"ablation": "SDA", "rules": "vase", "rules_without": ["settling"], "capacity_form": "squared"}
+    assert row_label(result) == "SDA (without settling)"
+    assert row_label({"ablation": "SDA", "rules": "vase", "capacity_form": "squared"}) == "SDA"

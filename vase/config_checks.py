@@ -37,6 +37,13 @@ def problems(cfg: Config) -> list[str]:
         )
     if cfg.inference.rules not in RULE_SETS:
         errs.append(f"inference.rules must be one of {', '.join(RULE_SETS)}, got {cfg.inference.rules!r}")
+    elif cfg.inference.without:
+        from vase.rules import RULE_SETS as SETS  # torch, only where rules are named
+
+        absent = [name for name in cfg.inference.without if name not in SETS[cfg.inference.rules]]
+        if absent:
+            errs.append(f"inference.without names rules that the '{cfg.inference.rules}' set does not have: "
+                        f"{', '.join(absent)} (it has {', '.join(SETS[cfg.inference.rules])})")
     if cfg.objective.mode not in ("disentangled", "entangled"):
         errs.append("objective.mode must be 'disentangled' or 'entangled'")
     if cfg.objective.capacity_ramp_steps < 0:

@@ -122,6 +122,9 @@ class InferenceConfig:
     # S: environment inference (eq. 6).
     enabled: bool = True
     rules: str = "vase"  # a name from RULE_SETS
+    # Rules of that set left out, by name (`vase.rules.RULES`): one run per rule dropped is how the
+    # long regime tests whether a rule is still needed (docs/method.md, "Rules beyond eq. 6").
+    without: list[str] = field(default_factory=list)
     kappa: float = 2.0  # reconstruction threshold multiple [ours, calibrated: docs/method.md]
     # Additive slack of the threshold, kappa * L_s + margin, in nats per image [ours]: once an
     # environment is learnt to ~1 nat (three static sprites), kappa * L alone is batch noise.

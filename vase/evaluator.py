@@ -222,6 +222,7 @@ class Evaluator(Callback):
         out = {
             "ablation": cfg.ablation(),
             "rules": cfg.inference.rules,
+            "rules_without": cfg.inference.without,
             "capacity_form": cfg.objective.capacity_form,
             "mode": cfg.objective.mode,
             "preset": cfg.preset,

@@ -60,7 +60,7 @@ class EnvironmentInference:
     def __init__(self, cfg: Config, slots: Slots, masking: Masks | AllOnes,
                  classifier: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None):
         self.cfg, self.mask_cfg = cfg.inference, cfg.mask
-        self.rule_names = rules.RULE_SETS[cfg.inference.rules]
+        self.rule_names = rules.chosen(cfg)
         self.rules = rules.build(self.rule_names, self.with_s)
         self.hooks = rules.hooks(self.rules)
         self.marks_learnt = any(rule.marks_learnt for rule in self.rules)

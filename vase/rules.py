@@ -396,13 +396,18 @@ def hooks(rules: list[Rule]) -> dict[str, list]:
             for hook in HOOKS}
 
 
+def chosen(cfg: config.Config) -> tuple[str, ...]:
+    """The rules a run uses: its set (`inference.rules`) less those it leaves out (`inference.without`)."""
+    return tuple(name for name in RULE_SETS[cfg.inference.rules] if name not in cfg.inference.without)
+
+
 def as_configured(cfg: config.Config) -> config.Config:
     """A copy of cfg as eq. 3-6 read it under its rule set: a setting owned by a rule left out of the
     set takes its value in the printed equations. The input is not changed."""
     out = copy.deepcopy(cfg)
-    chosen = RULE_SETS[cfg.inference.rules]
+    names = chosen(cfg)
     for rule in RULES.values():
-        if rule.name in chosen:
+        if rule.name in names:
             continue
         for key, value in rule.as_printed.items():
             section, name = key.split(".")

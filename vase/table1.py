@@ -38,6 +38,7 @@ def row_label(result: dict) -> str:
     value rather than eq. 8's square (`objective.capacity_form`)."""
     rules = result.get("rules", "vase")
     notes = [f"{rules} rules"] if "S" in result["ablation"] and rules != "vase" else []
+    notes += [f"without {name}" for name in result.get("rules_without", [])]
     if result.get("mode") != "entangled" and result.get("capacity_form") == "absolute":
         notes.append("absolute capacity term")
     return result["ablation"] + (f" ({', '.join(notes)})" if notes else "")
