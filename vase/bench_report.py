@@ -198,7 +198,7 @@ def format_report(results: dict) -> str:
                           ("speedup_from_swapped_wgrad_and_fused_adam",
                            "  of which swapped-conv deconv weight gradients and fused Adam"),
                           ("speedup_from_native_wgrad", "  of which our weight-gradient kernel (vase.kernels)")):
-            if key == "speedup_from_native_wgrad" and res.get("weight_gradients", "native") != "native":
+            if key == "speedup_from_native_wgrad" and key in r and res.get("weight_gradients", "native") != "native":
                 lines.append(f"  {text}: not used on this preset, {res['weight_gradients']} (x{r[key]:.2f}: the noise)")
             elif key in r:
                 lines.append(f"  {text}: x{r[key]:.2f}")
