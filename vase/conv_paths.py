@@ -148,7 +148,7 @@ def _weight_grad(grad, x, weight, transposed: bool, native: bool, want_w: bool, 
     """
     args = (_STRIDE, _PADDING, _DILATION)
     swapped = transposed and TRANSPOSED_WEIGHT_GRAD == "swapped"
-    wide = min(weight.shape[0], weight.shape[1]) >= kernels.MIN_CHANNELS
+    wide = kernels.pays(weight.shape[0], weight.shape[1])
     if want_w and native and wide and (swapped or not transposed):
         # The plain conv whose weight gradient this is: for a transposed conv, the swapped one. The
         # bias gradient is summed as the oneDNN routes below sum it, pixel after pixel for plain

@@ -146,12 +146,17 @@ def status() -> str:
     return _library().status
 
 
+def pays(c_in: int, c_out: int) -> bool:
+    """Whether a layer of these widths is routed to the kernel (`MIN_CHANNELS`)."""
+    return min(c_in, c_out) >= MIN_CHANNELS
+
+
 def route(setting: str, channels: list[int]) -> str:
     """What computes the weight gradients under model.weight_grad_kernel = `setting` here, for a
     network of these conv widths (model.channels)."""
     if setting != "native":
         return "onednn"
-    if sum(a >= MIN_CHANNELS and b >= MIN_CHANNELS for a, b in zip(channels, channels[1:])) == 0:
+    if not any(pays(a, b) for a, b in zip(channels, channels[1:])):
         return f"onednn (no layer of {MIN_CHANNELS}+ channels for the native kernel)"
     state = status()
     return "native" if state == "on" else f"onednn (native kernel {state})"
