@@ -217,7 +217,8 @@ def table(run_dirs, as_json, markdown, output, readme):
 @click.option("--image", type=click.IntRange(min=0), default=0, show_default=True,
               help="Traversals: index of the held-out seed image of each environment.")
 @click.option("--source", default=None,
-              help="Cross-domain: rows from this environment only (default: one per environment).")
+              help="Cross-domain and traversals: this environment's images only (default: one per "
+                   "environment; traversals: one per slot).")
 @click.option("--envs", default=None, metavar="A,B",
               help="Ambiguity: the two environments to interpolate (default: the first two of the sequence).")
 @click.option("--data-root", type=click.Path(file_okay=False), default=None,

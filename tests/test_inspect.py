@@ -235,10 +235,19 @@ def test_inspect_one_source_environment_cross_domain(tiny_run):
     assert image.mode == "RGB" and image.size[1] > image.size[0] / 3  # six rows of images
 
 
+def test_inspect_traversals_of_one_source_environment_under_its_slot(tiny_run):
+    result = invoke(["inspect", tiny_run, "traversals", "--source", "shapes_b"])
+    assert result.exit_code == 0, result.output
+    slot = trained_slots(open_run(tiny_run))[1]
+    names = [Path(line).name for line in result.output.splitlines()]
+    assert names == [f"traversal_slot{slot}_shapes_b_step8.png", f"traversal_slot{slot}_shapes_b_step8.gif"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["latent_use", "--step", 3], "no checkpoint of step 3"),
     (["nonsense"], "unknown picture 'nonsense'"),
     (["cross_domain", "--source", "mnist"], "'mnist' is not in this run's sequence"),
+    (["traversals", "--source", "mnist"], "'mnist' is not in this run's sequence"),
     (["ambiguity", "--envs", "moving_shapes_a"], "--envs takes two environments"),
 ])
 def test_inspect_refuses_bad_requests_in_one_line(tiny_run, args, message):

@@ -34,7 +34,7 @@ class InspectOptions:
     step: int | None = None  # a kept checkpoint's step (default: the newest)
     used_only: bool = False  # traversals: only the latents the slot uses
     image: int = 0  # traversals: which held-out image of the environment seeds them
-    source: str | None = None  # cross-domain: one environment's images (default: every environment's seed)
+    source: str | None = None  # cross-domain and traversals: one environment's images (default: every environment's)
     envs: tuple[str, str] | None = None  # ambiguity: A and B (default: the first two of the sequence)
     data_root: str | None = None
     device: str = "cpu"  # where the model runs (the pictures are made on the host)
@@ -80,7 +80,7 @@ def inspect_run(run_dir: Path, names: tuple[str, ...], options: InspectOptions, 
     written: list[Path] = []
     for picture in pictures:
         if picture == "traversals":
-            written += write_traversals(run, out, tag, options.used_only, options.image, echo)
+            written += write_traversals(run, out, tag, options.used_only, options.image, echo, source)
         elif picture == "cross_domain":
             name = "cross_domain" + (f"_{options.source}" if options.source else "")
             written.append(save_png(figures.cross_domain(run, source), out / f"{name}_{tag}.png"))
@@ -127,17 +127,22 @@ def trained_slots(run) -> list[int]:
 
 
 # -- traversals (Fig. 2 top, Fig. 3A) --------------------------------------------------------------------------
-def write_traversals(run, out: Path, tag: str, used_only: bool, image: int, echo) -> list[Path]:
+def write_traversals(run, out: Path, tag: str, used_only: bool, image: int, echo,
+                     source: int | None = None) -> list[Path]:
     """Per inferred environment (slot), from a held-out image of the first environment trained under
-    it: a PNG of every latent swept over -2..2 (or only the latents the slot uses), ordered by the
-    information the slot's latents carried while it trained, and a GIF of all rows at once."""
+    it (or, given `source`, of that environment under the slot it trained under, so an environment
+    that shares a slot can be seen too): a PNG of every latent swept over -2..2 (or only the latents
+    the slot uses), ordered by the information the slot's latents carried while it trained, and a
+    GIF of all rows at once."""
     learner, used_kl = run.learner, run.cfg.inference.used_kl
     trained = trained_slots(run)
-    slots = list(dict.fromkeys(trained))
+    if source is not None and source >= len(trained):
+        raise ConfigError(f"--source {run.envs[source].name}: the run has not reached that environment yet")
+    seeds = [source] if source is not None else [trained.index(slot) for slot in dict.fromkeys(trained)]
     colours = torch.stack([latent_colours(learner, s, used_kl) for s in range(max(1, learner.inference.n_envs))], 1)
     written = []
-    for slot in slots:
-        env = trained.index(slot)
+    for env in seeds:
+        slot = trained[env]
         name = run.envs[env].name
         if not 0 <= image < len(run.held_out[env]):
             raise ConfigError(
