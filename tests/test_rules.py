@@ -72,11 +72,12 @@ def three_environments(names):
 
 
 # -- one case per rule: the outcome of a rule set with and without the rule ---------------------------------
-def after_one_bad_batch(error):
+def verdict_of(error, step=10, first=100.0):
+    """The verdict on a batch of `error` at `step`, after a first batch of `first` at step 0."""
     def run(names):
         inf = with_rules(names)
-        decide(inf, 0, 100.0)
-        return decide(inf, 10, error).verdict
+        decide(inf, 0, first)
+        return decide(inf, step, error).verdict
     return run
 
 
@@ -105,14 +106,6 @@ def env_of_a_batch_both_pass(probs):
         decide(inf, 0, 100.0)
         decide(inf, 1, {0: 1000.0, 1: 100.0})
         return decide(inf, 2, {0: 100.0, 1: 100.0}, probs=probs).env
-    return run
-
-
-def verdict_after_allocation(step):
-    def run(names):
-        inf = with_rules(names)
-        decide(inf, 0, 100.0)
-        return decide(inf, step, 1000.0).verdict
     return run
 
 
@@ -147,14 +140,6 @@ def usage_of_env_0_left_after(steps):
         decide(inf, 21, {0: 120.0, 1: 1000.0}, info=(1.0, 1.0, 0.0, 2.0))  # trained in env 0
         assert decide(inf, 20 + steps, 10_000.0).verdict == "new"  # the stream leaves env 0
         return inf.slots[0].usage.tolist()
-    return run
-
-
-def verdict_with_error(error):
-    def run(names):
-        inf = with_rules(names)
-        decide(inf, 0, 1.0)
-        return decide(inf, 1, error).verdict
     return run
 
 
@@ -200,18 +185,18 @@ def mdl_with(**penalty):
 PAPER = RULE_SETS["paper"]
 # rule -> (a case where it changes the outcome, a case where it does not, the other rules of both runs)
 CASES = {
-    "debouncing": (after_one_bad_batch(1000.0), after_one_bad_batch(120.0), ()),
+    "debouncing": (verdict_of(1000.0), verdict_of(120.0), ()),
     "frozen_while_pending": (error_after_a_batch(1000.0), error_after_a_batch(120.0), ("debouncing",)),
     "hysteresis": (mask_after(0.7, 0.0), mask_after(2.0, 0.0), ()),
     "smoothed_atypicality": (mask_after(3.0, 1.0, mask_ema=0.9), mask_after(0.0, 1.0, mask_ema=0.9), ()),
     "current_first": (env_of_a_batch_both_pass(onehot(0)), env_of_a_batch_both_pass(onehot(1)), ()),
-    "settling": (verdict_after_allocation(1), verdict_after_allocation(10), ()),
+    "settling": (verdict_of(1000.0, step=1), verdict_of(1000.0, step=10), ()),
     "ranked_fallback": (env_of_a_returning_batch(torch.tensor([0.2, 0.7, 0.1, 0.0])),
                         env_of_a_returning_batch(onehot(0)), ()),
     "foreign_latents": (env_of_a_batch_carrying(1.8), env_of_a_batch_carrying(0.4), ()),
     "information": (reading(0.5), reading(0.0), ()),
     "probation": (usage_of_env_0_left_after(3), usage_of_env_0_left_after(10), ()),
-    "error_margin": (verdict_with_error(3.0), verdict_with_error(40.0), ()),
+    "error_margin": (verdict_of(3.0, step=1, first=1.0), verdict_of(40.0, step=1, first=1.0), ()),
     "settled_masks": (verdict_with_a_masked_latent_smoothed_at(0.7), verdict_with_a_masked_latent_smoothed_at(2.0),
                       ()),
     "others_latents_only": (maskable_in_env_1((2.0, 0.0, 0.0, 0.0)), maskable_in_env_1((2.0, 2.0, 2.0, 2.0)), ()),
