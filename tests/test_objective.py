@@ -239,6 +239,17 @@ def test_the_long_schedule_sets_the_lengths_together_and_overrides_win():
     assert build_config("cpu", ["data.steps_per_env=7"], "SDA", "long").data.steps_per_env == [7]
 
 
+def test_the_long_schedule_gives_the_first_stage_its_full_capacity():
+    """C(t) reaches C_max inside the first stage, and a new slot ramps at the first one's pace
+    (docs/method.md, the regime: a ramp longer than a stage left moving Fashion at 40 % of C_max)."""
+    from vase.objective import capacity
+
+    cfg = build_config("cpu", [], "SDA", "long")
+    stage, ramp = cfg.data.steps_per_env[0], cfg.objective.capacity_ramp_steps
+    assert ramp < stage and cfg.objective.new_env_ramp_steps == ramp
+    assert float(capacity(stage - 1, cfg.objective)) == pytest.approx(cfg.objective.capacity_max)
+
+
 def test_an_unknown_schedule_is_refused():
     from vase.errors import ConfigError
 

@@ -54,6 +54,17 @@ def test_markdown_puts_the_papers_changes_beside_the_paper_sequence_only():
     assert "paper" not in sprites and "| SDA | 0 |" in sprites
 
 
+def test_runs_of_another_capacity_ramp_are_another_table():
+    """Same rows, sequence and length, another C(t) ramp: two experiments, each table naming its ramp."""
+    runs = [dict(_results("SDA", 0), capacity_ramp_steps=7200), dict(_results("SDA", 1), capacity_ramp_steps=7200),
+            dict(_results("SDA", 0), capacity_ramp_steps=30000)]
+    rows = table1_rows(runs)
+    assert sorted((row["capacity_ramp_steps"], tuple(row["seeds"])) for row in rows) == [(7200, (0, 1)), (30000, (0,))]
+    text = table1_markdown(rows)
+    assert "capacity ramp 7200" in text and "capacity ramp 30000" in text
+    assert "capacity ramp" not in table1_markdown(table1_rows([_results("SDA", 0)]))
+
+
 def test_results_page_links_the_runs_and_the_readme_block_is_replaced(tmp_path):
     runs = []
     for seed in (0, 1):

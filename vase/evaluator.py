@@ -224,6 +224,7 @@ class Evaluator(Callback):
             "rules": cfg.inference.rules,
             "rules_without": cfg.inference.without,
             "capacity_form": cfg.objective.capacity_form,
+            "capacity_ramp_steps": cfg.objective.capacity_ramp_steps,
             "mode": cfg.objective.mode,
             "preset": cfg.preset,
             "sequence": cfg.data.sequence,

@@ -45,18 +45,19 @@ def row_label(result: dict) -> str:
 
 
 def table1_rows(results: list[dict]) -> list[dict]:
-    """Table 1 from several runs: one row per (mode, ablation and rule set, sequence, preset, steps),
-    the four numbers as mean and std over that group's seeds (docs/probes.md), and the latent-use counts per
-    seed. Runs of another length or network are another experiment, so they never share a row."""
+    """Table 1 from several runs: one row per (mode, ablation and rule set, sequence, preset, steps,
+    capacity ramp), the four numbers as mean and std over that group's seeds (docs/probes.md), and the
+    latent-use counts per seed. Runs of another length, ramp or network are another experiment, so they
+    never share a row (a results.json that does not name its ramp is one of its own)."""
     from vase.metrics.continual import mean_std_over_seeds
 
     groups: dict[tuple, list[dict]] = {}
     for r in results:
         key = (r["mode"], row_label(r), ",".join(r["sequence"]), r.get("preset"), str(r.get("steps_per_env")),
-               _reading(r))
+               _reading(r), r.get("capacity_ramp_steps"))
         groups.setdefault(key, []).append(r)
     rows = []
-    for (mode, ablation, sequence, _, _, reading), runs in groups.items():
+    for (mode, ablation, sequence, _, _, reading, ramp), runs in groups.items():
         mean, std = mean_std_over_seeds([r["probes"]["table1"] for r in runs])
         rows.append({
             "mode": mode, "ablation": ablation, "sequence": sequence,
@@ -67,6 +68,7 @@ def table1_rows(results: list[dict]) -> list[dict]:
             "latents_informative": [_count(latent_union(r.get("latent_use") or [], "informative")) for r in runs],
             "preset": [r.get("preset") for r in runs],
             "reading": reading,
+            "capacity_ramp_steps": ramp,
             "steps_per_env": [r.get("steps_per_env") for r in runs],
             "heldout": _heldout_over_seeds([heldout_retention(r) for r in runs]),
         })
