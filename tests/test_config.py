@@ -62,6 +62,24 @@ def test_migrations_only_fill_or_convert_and_leave_their_input_alone():
     assert set(LISTS) <= set(MIGRATIONS)
 
 
+@pytest.mark.parametrize("path, inert, other", [
+    ("objective.aggregate_weight", 0.0, 0.5),
+    ("inference.probation_relies_on_past_usage", False, True),
+])
+def test_a_run_made_with_a_removed_setting_resumes_only_where_it_changed_nothing(tmp_path, path, inert, other):
+    from vase.errors import ConfigError
+
+    section, key = path.split(".")
+    saved = json.loads(build_config("cpu").to_json())
+    saved[section][key] = inert
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert load_run_config(tmp_path) == build_config("cpu")
+    saved[section][key] = other
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(ConfigError, match=f"{path}={other!r}, a setting vase no longer has"):
+        load_run_config(tmp_path)
+
+
 @pytest.mark.parametrize("assignment, field, value", [
     ("data.sequence=moving_fashion, mnist ,moving_mnist", "sequence", ["moving_fashion", "mnist", "moving_mnist"]),
     ("data.sequence=shapes_a", "sequence", ["shapes_a"]),

@@ -227,21 +227,3 @@ def test_probation_survives_a_checkpoint():
     assert d.restored == 0 and torch.equal(resumed_slots[0].usage, usage) and torch.equal(resumed_slots[0].alpha, alpha)
 
 
-@pytest.mark.parametrize("past_usage, fails", [(False, True), (True, False)])
-def test_on_probation_the_mask_test_reads_the_latents_used_before_the_switch(past_usage, fails):
-    """Rule 3 after a switch back: a latent env 0 starts using now has a smoothed alpha from before
-    env 0 left (settled low), so reading it as a settled latent that turned atypical is stale
-    evidence. With `probation_relies_on_past_usage` only the latents used before the switch count."""
-    inf, slots, _ = _switch_back_into_env_0(cooldown=20)
-    inf.cfg.probation_relies_on_past_usage = past_usage
-    inf.cfg.patience = 5  # a failing batch stays pending, in env 0
-    visit = inf.rule("probation").visit
-    assert inf.used(0)[3] and not visit.slot.usage[3] > inf.cfg.used_kl  # latent 3: new in this visit
-    d = decide(inf, slots, 62, 100.0, info=torch.tensor([1.0, 1.0, 0.0, 2.0]),
-               alpha=torch.tensor([0.0, 0.0, 0.0, 3.0]))
-    assert (MASK in d.reasons) == fails and (3 in d.disagreeing) == fails
-    # After the cooldown the switch has lasted; the probation ends and the running usage counts.
-    slots[0].alpha[3] = 0.0
-    d = decide(inf, slots, 90, 100.0, info=torch.tensor([1.0, 1.0, 0.0, 2.0]),
-               alpha=torch.tensor([0.0, 0.0, 0.0, 3.0]))
-    assert inf.rule("probation").visit is None and MASK in d.reasons

@@ -82,11 +82,8 @@ def test_the_step_loss_is_eq8_with_the_dream_weights(decoder_term):
     assert losses["total"] == pytest.approx(losses["mdl"] + 3 * losses["dream_encoder"] + 10 * decoder, rel=1e-5)
 
 
-@pytest.mark.parametrize("aggregate_weight", [0.0, 1.0])
-def test_masked_latents_get_no_gradient_in_the_step(aggregate_weight):
-    lrn = learner(
-        "A", ["mask.lambda_low=0.01", "mask.lambda_high=0.02", f"objective.aggregate_weight={aggregate_weight}"]
-    )
+def test_masked_latents_get_no_gradient_in_the_step():
+    lrn = learner("A", ["mask.lambda_low=0.01", "mask.lambda_high=0.02"])
     x = squares(16, torch.Generator().manual_seed(0), 0)
     lrn.training_step(x)
     mask = lrn.mask(0).clone()
@@ -227,11 +224,11 @@ def test_the_fresh_latent_penalty_reads_only_a_new_environments_fresh_latents():
     post = lrn.model.encoder(squares(16, torch.Generator().manual_seed(0), 0))
     mask = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 1.0])
     maskable = torch.tensor([True, True, False, False, False, False])  # latents 0 and 1: another slot's
-    assert lrn.aggregate_shift(post, mask, maskable, 0) == (None, None)  # the first environment: C(t) alone
+    assert lrn.fresh_shift(post, mask, maskable, 0) is None  # the first environment: C(t) alone
     lrn.capacity_starts[1] = (0, 0.0)
-    everything, fresh = lrn.aggregate_shift(post, mask, maskable, 1)
+    fresh = lrn.fresh_shift(post, mask, maskable, 1)
     alpha = atypicality(*prior_where_masked(post.mu, post.logvar, mask))
-    assert everything is None and fresh.item() == pytest.approx(alpha[[2, 4, 5]].sum().item(), rel=1e-6)
+    assert fresh.item() == pytest.approx(alpha[[2, 4, 5]].sum().item(), rel=1e-6)
     fresh.backward()
     g = lrn.model.encoder.head.weight.grad  # rows: mu of latents 0-5, then log sigma^2 of 0-5
     assert torch.all(g[[0, 1, 3, 6, 7, 9]] == 0) and all(torch.any(g[r] != 0) for r in (2, 4, 5))

@@ -27,7 +27,6 @@ def case_config(with_s=True, mask_ema=0.0, with_a=True) -> Config:
                                            error_ema=0.0, relied_kl=1.0, foreign_use=0.5, enabled=with_s),
                  mask=MaskConfig(lambda_low=0.5, lambda_high=1.0, ema=mask_ema, enabled=with_a))
     cfg.model.k_max, cfg.model.latents = 4, N
-    cfg.objective.aggregate_weight = 1.0
     return cfg
 
 
@@ -203,7 +202,6 @@ CASES = {
     "learnt_latents_only": (maskable_of_one_slot([False, True, False, False]), maskable_of_one_slot([True] * 4), ()),
     "own_capacity_ramp": (capacity_of((2990, 5.0)), capacity_of(None), ()),
     "fresh_latent_penalty": (mdl_with(fresh_atypical=torch.tensor(2.0)), mdl_with(), ()),
-    "aggregate_penalty": (mdl_with(atypical=torch.tensor(2.0)), mdl_with(), ()),
 }
 
 

@@ -27,8 +27,6 @@ def problems(cfg: Config) -> list[str]:
         errs.append("model.k_max must be at least 1")
     if cfg.objective.gamma < 0:
         errs.append("objective.gamma must be >= 0")
-    if cfg.objective.aggregate_weight < 0:
-        errs.append("objective.aggregate_weight must be >= 0")
     if cfg.objective.fresh_aggregate_weight < 0:
         errs.append("objective.fresh_aggregate_weight must be >= 0")
     if cfg.objective.capacity_form not in ("squared", "absolute"):

@@ -1,15 +1,16 @@
 """How a run directory's config.json, written by an earlier release, reads today.
 
-One table, MIGRATIONS: for each setting whose saved form changed, or that was added with a default
-other than what earlier runs did, the rule that turns what such a config.json holds into what
-those runs trained with. A new field whose default reproduces the old behaviour needs no entry:
-the dataclass default fills it.
+One table, MIGRATIONS: for each setting whose saved form changed, that was added with a default
+other than what earlier runs did, or that was removed, the rule that turns what such a config.json
+holds into what those runs trained with. A new field whose default reproduces the old behaviour
+needs no entry: the dataclass default fills it.
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
 from vase.config_values import comma_list
+from vase.errors import ConfigError
 
 MISSING = object()  # the setting is not in the config.json at all
 
@@ -17,6 +18,17 @@ MISSING = object()  # the setting is not in the config.json at all
 def added(value: Any) -> Callable[[Any], Any]:
     """A setting added after runs were made: a config.json without it gets `value`."""
     return lambda saved: value if saved is MISSING else saved
+
+
+def removed(path: str, inert: Any) -> Callable[[Any], Any]:
+    """A setting that was removed: a config.json that holds it at `inert`, the value at which it
+    changed nothing, trains today as it did; any other value cannot be reproduced, and is refused."""
+    def read(saved: Any) -> Any:
+        if saved is not MISSING and saved != inert:
+            raise ConfigError(f"this run was made with {path}={saved!r}, a setting vase no longer has "
+                              f"(only {inert!r} is reproduced); use the vase release it was made with")
+        return MISSING
+    return read
 
 
 def comma_text(saved: Any) -> Any:
@@ -29,6 +41,9 @@ MIGRATIONS: dict[str, Callable[[Any], Any]] = {
     "objective.new_env_ramp_steps": added(0),  # every environment met C(t) at once
     "objective.fresh_aggregate_weight": added(0.0),  # no fresh-latent penalty
     "objective.capacity_form": added("absolute"),  # the CCI-VAE's |KL - C|
+    # Rules pruned for want of a failure they fix (docs/method.md, rules beyond eq. 6).
+    "objective.aggregate_weight": removed("objective.aggregate_weight", 0.0),
+    "inference.probation_relies_on_past_usage": removed("inference.probation_relies_on_past_usage", False),
     "data.sequence": comma_text,
     "data.steps_per_env": comma_text,
     "model.channels": comma_text,
@@ -44,4 +59,6 @@ def migrate(saved: dict[str, Any]) -> dict[str, Any]:
             value = rule(out[section].get(key, MISSING))
             if value is not MISSING:
                 out[section][key] = value
+            else:
+                out[section].pop(key, None)
     return out

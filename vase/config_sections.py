@@ -78,20 +78,15 @@ class ObjectiveConfig:
     capacity_max: float = 25.0  # nats [related]
     # Linear ramp of C(t) over the global step (a pure function of the step) [ours].
     capacity_ramp_steps: int = 3000
-    # [ours, beyond the paper] Weight, in units of gamma, of the current environment's summed
-    # atypicality (eq. 4) over its unmasked latents. Eq. 3 is blind to how KL splits into
-    # information and aggregate-posterior shift (KL = I(x;z) + alpha); the paper assumes
-    # E_x q(z|x) ~ p(z) after training (§3.3). 0 is the paper's eq. 3.
-    aggregate_weight: float = 0.0
-    # [ours, beyond the paper] The same penalty, but only in an environment allocated after the
-    # first and only on its fresh latents (unmasked, and used by no other environment). Such a
+    # [ours, beyond the paper] Weight, in units of gamma, of the summed atypicality (eq. 4) of a new
+    # environment's fresh latents (unmasked, and used by no other environment). A new
     # slot, its known latents masked, meets C in fresh latents faster by narrowing or shifting
     # their posteriors alike for every image than by learning a factor: KL without information,
     # which leaves them neither spare nor informative. With weight 1 and the absolute capacity term
     # that costs exactly what it earns there, so C must be met with information (the squared term
     # pays 2 gamma |KL - C| per nat, so weight 1 cancels it only where |KL - C| = 1/2); measured on the digits (most
     # latents spare in 6 seeds of 10, against 4 with 0) and the sprites in docs/method.md.
-    # 0 is eq. 3 alone, the release before.
+    # 0 is eq. 3 alone.
     fresh_aggregate_weight: float = 1.0
     # [ours] A newly allocated environment's own capacity ramp, in steps from 0 to C_max: its
     # target starts from the KL it carries when allocated and climbs at this slope, never above
@@ -139,10 +134,6 @@ class InferenceConfig:
     # relied_kl nats), must not carry more than foreign_use times that usage on this batch.
     relied_kl: float = 1.0
     foreign_use: float = 0.5
-    # While a switch back into a past environment is on probation, the mask test (rule 3) counts
-    # as relied on only the latents it used before the switch [ours]: its smoothed alpha of a
-    # latent it starts using now is stale, from before it left.
-    probation_relies_on_past_usage: bool = False
     classifier_lr: float = 1e-3
     # Steps after an allocation during which no further allocation happens [ours].
     cooldown: int = 200

@@ -132,13 +132,6 @@ class EnvironmentInference:
             return torch.full(self.slots[env].usage.shape, float("-inf"), device=self.device)
         return torch.stack([self.slots[s].usage for s in others]).max(0).values
 
-    def relied_on(self, env: int) -> torch.Tensor:
-        """Latents whose turning atypical counts against env in the mask test."""
-        latents = self.used(env)
-        for hook in self.hooks["relied_on"]:
-            latents = hook(self, env, latents)
-        return latents
-
     def maskable(self, env: int) -> torch.Tensor:
         """Latents a^env may switch off."""
         latents = torch.ones(self.slots[env].mask.shape, dtype=torch.bool, device=self.device)

@@ -127,18 +127,15 @@ class Learner:
             logits = self.model.decoder(z, envs).float()
         return logits[:batch], logits[batch:]
 
-    def aggregate_shift(self, real: Posterior, mask: torch.Tensor, maskable: torch.Tensor, env: int):
+    def fresh_shift(self, real: Posterior, mask: torch.Tensor, maskable: torch.Tensor, env: int):
         """The atypicality (eq. 4) of the masked posterior on this batch, with gradient, summed over
-        the unmasked latents and over env's fresh ones, for the penalties of `mdl_loss`; None where
-        a penalty is off. Fresh: unmasked, and no other environment uses it (not `maskable`); only in
-        an environment allocated after the first (one in `capacity_starts`)."""
-        obj = self.objective
-        fresh_on = obj.fresh_aggregate_weight and env in self.capacity_starts
-        if not (obj.aggregate_weight or fresh_on):
-            return None, None
+        env's fresh latents, for the penalty of `mdl_loss`; None where it is off. Fresh: unmasked,
+        and no other environment uses it (not `maskable`); only in an environment allocated after
+        the first (one in `capacity_starts`)."""
+        if not (self.objective.fresh_aggregate_weight and env in self.capacity_starts):
+            return None
         alpha = atypicality(*prior_where_masked(real.mu, real.logvar, mask))
-        fresh = (alpha * mask * (~maskable).to(mask.dtype)).sum() if fresh_on else None
-        return (alpha.sum() if obj.aggregate_weight else None), fresh
+        return (alpha * mask * (~maskable).to(mask.dtype)).sum()
 
     # -- one step --------------------------------------------------------------------------------------
     def training_step(self, x: torch.Tensor) -> StepOutput:
@@ -211,8 +208,7 @@ class Learner:
         if decision.verdict == "new":  # the first environment is C(t)'s own
             self.capacity_starts[s] = (t, float(kl.detach().mean()))
         target = environment_capacity(t, self.capacity_starts.get(s), self.objective)
-        atypical, fresh_atypical = self.aggregate_shift(enc.real, mask, maskable, s)
-        loss = mdl_loss(recon, kl, target, self.objective, atypical, fresh_atypical)
+        loss = mdl_loss(recon, kl, target, self.objective, self.fresh_shift(enc.real, mask, maskable, s))
         return {"reconstruction": recon.mean(), "kl": kl.mean(), "mdl": loss}, target
 
     def dreaming_term(self, enc: Encoded, dreams: Dreams | None, dream_logits: torch.Tensor) -> dict:

@@ -80,23 +80,20 @@ def capacity_penalty(kl: torch.Tensor, target: float, form: str) -> torch.Tensor
 
 
 def mdl_loss(recon: torch.Tensor, kl: torch.Tensor, target: float, cfg: ObjectiveConfig,
-             atypical: torch.Tensor | None = None, fresh_atypical: torch.Tensor | None = None) -> torch.Tensor:
+             fresh_atypical: torch.Tensor | None = None) -> torch.Tensor:
     """Eq. 3 / eq. 8: E[-log p(x|z,s)] + gamma |KL - C|^2 (or |KL - C|, objective.capacity_form),
     means over the batch.
 
     `target`: C in nats, C(t) (`capacity`) or the environment's own target (`environment_capacity`).
     The entangled baseline is the plain VAE (beta = 1).
 
-    Two penalties on the shift of the aggregate posterior ([ours], see ObjectiveConfig), in units of
-    gamma: `atypical`, the summed atypicality (eq. 4) of the unmasked latents on this batch, with
-    weight aggregate_weight; `fresh_atypical`, the same over a new environment's fresh latents only,
-    with weight fresh_aggregate_weight.
+    `fresh_atypical`: the summed atypicality (eq. 4) of a new environment's fresh latents on this
+    batch, a penalty in units of gamma with weight fresh_aggregate_weight ([ours], see
+    ObjectiveConfig and `vase.rules.FreshLatentPenalty`).
     """
     if cfg.mode == "entangled":
         return recon.mean() + kl.mean()
     loss = recon.mean() + cfg.gamma * capacity_penalty(kl, target, cfg.capacity_form)
-    if cfg.aggregate_weight and atypical is not None:
-        loss = loss + cfg.gamma * cfg.aggregate_weight * atypical
     if cfg.fresh_aggregate_weight and fresh_atypical is not None:
         loss = loss + cfg.gamma * cfg.fresh_aggregate_weight * fresh_atypical
     return loss

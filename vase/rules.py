@@ -55,10 +55,6 @@ class Rule:
         """The environments tested, in order; printed: s_hat alone."""
         return envs
 
-    def relied_on(self, inf: EnvironmentInference, env: int, latents: torch.Tensor) -> torch.Tensor:
-        """Latents whose turning atypical counts against env; printed: the ones env uses."""
-        return latents
-
     def mask_scope(self, inf: EnvironmentInference, env: int, alpha: torch.Tensor, usage: torch.Tensor,
                    scope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The latents the mask test reads, (switched off by the batch, switched on by the batch);
@@ -245,12 +241,10 @@ class Probation(Rule):
     slot's L_s, usage and mask are restored (no environment lasts less, so its batches were not
     that environment's data; the weights they trained are not undone). Fixes: moving MNIST passed
     moving Fashion's tests for a few batches, and Fashion's slot then listed MNIST's latents as its
-    own. With `probation_relies_on_past_usage` the mask test reads, during the visit, the latents
-    the slot used before it (off: see docs/method.md).
-    Settings: `inference.cooldown`, `inference.probation_relies_on_past_usage`."""
+    own. Setting: `inference.cooldown`."""
 
     name = "probation"
-    settings = ("inference.cooldown", "inference.probation_relies_on_past_usage")
+    settings = ("inference.cooldown",)
 
     def __init__(self):
         self.visit: Visit | None = None
@@ -269,13 +263,6 @@ class Probation(Rule):
         self.visit = None
         inf.slots[visit.env] = visit.slot
         return visit.env
-
-    def relied_on(self, inf, env, latents):
-        # A latent env starts using during the visit has a smoothed alpha from before env left.
-        visit = self.visit
-        if inf.cfg.probation_relies_on_past_usage and visit is not None and visit.env == env:
-            return visit.slot.usage > inf.cfg.used_kl
-        return latents
 
     def state_dict(self):
         if self.visit is None:
@@ -312,7 +299,7 @@ class SettledMasks(Rule):
     def mask_scope(self, inf, env, alpha, usage, scope):
         smoothed, cfg = inf.slots[env].alpha, inf.mask_cfg
         settled_on, settled_off = smoothed < cfg.lambda_low, smoothed > cfg.lambda_high
-        return settled_on & inf.relied_on(env), settled_off & (usage > inf.cfg.used_kl)
+        return settled_on & inf.used(env), settled_off & (usage > inf.cfg.used_kl)
 
 
 class OthersLatentsOnly(Rule):
@@ -362,26 +349,16 @@ class FreshLatentPenalty(Rule):
     as_printed = {"objective.fresh_aggregate_weight": 0.0}
 
 
-class AggregatePenalty(Rule):
-    """Gamma times the summed atypicality of the unmasked latents is added to eq. 3, which is blind to
-    how KL splits into information and aggregate shift (`vase.objective.mdl_loss`).
-    No failure measured: off (weight 0) by default. Setting: `objective.aggregate_weight`."""
-
-    name = "aggregate_penalty"
-    settings = ("objective.aggregate_weight",)
-    as_printed = {"objective.aggregate_weight": 0.0}
-
-
 RULES: dict[str, type[Rule]] = {rule.name: rule for rule in (
     Debouncing, FrozenWhilePending, Hysteresis, SmoothedAtypicality,
     CurrentFirst, Settling, RankedFallback, ForeignLatents, Information, Probation, ErrorMargin, SettledMasks,
-    OthersLatentsOnly, LearntLatentsOnly, OwnCapacityRamp, FreshLatentPenalty, AggregatePenalty,
+    OthersLatentsOnly, LearntLatentsOnly, OwnCapacityRamp, FreshLatentPenalty,
 )}
 RULE_SETS: dict[str, tuple[str, ...]] = {
     "vase": tuple(RULES),
     "paper": ("debouncing", "frozen_while_pending", "hysteresis", "smoothed_atypicality"),
 }
-HOOKS = ("reading", "begin", "unjudged", "candidates", "relied_on", "mask_scope", "test", "leaving", "switched",
+HOOKS = ("reading", "begin", "unjudged", "candidates", "mask_scope", "test", "leaving", "switched",
          "allocated", "records", "maskable", "mask_changed")
 
 
