@@ -8,6 +8,7 @@ from vase.config import build_config
 from vase.learner import Learner
 from vase.masking import atypicality
 from vase.objective import prior_where_masked
+from vase.rules import RULE_SETS, VERDICT_RULES
 
 TINY = ["model.channels=8,8,8,8", "model.hidden=32", "model.latents=6", "model.k_max=4", "dream.batch_size=8",
         "train.batch_size=16"]
@@ -364,3 +365,26 @@ def test_a_checkpoint_with_the_masks_apart_from_the_slots_resumes_bit_for_bit(vi
     migrated.load_state_dict(_split_layout(copy.deepcopy(state)))
     assert same_state(resumed.inference.state_dict(), migrated.inference.state_dict())
     assert [resumed.training_step(x).losses for x in xs[8:]] == [migrated.training_step(x).losses for x in xs[8:]]
+
+
+def test_counting_counterfactuals_trains_the_same_bits():
+    """inference.counterfactuals decodes the batch under more slots to judge it without each rule;
+    the step, its decisions and every state tensor stay what they are without it."""
+    gen_state = torch.Generator().manual_seed(0).get_state()
+    runs = []
+    for on in (False, True):
+        torch.manual_seed(0)
+        # kappa 1/2: every judged batch fails, so slots are allocated (and dreamt) every few steps.
+        lrn = learner("SDA", [f"inference.counterfactuals={str(on).lower()}", "inference.kappa=0.5",
+                              "inference.cooldown=2", "inference.patience=2"])
+        gen = torch.Generator()
+        gen.set_state(gen_state)
+        outs = [lrn.training_step(squares(16, gen, i // 6)) for i in range(12)]
+        runs.append(([(o.decision.as_dict(), o.losses) for o in outs], lrn.state_dict()))
+    (steps_off, state_off), (steps_on, state_on) = runs
+    assert steps_off == steps_on
+    assert state_off["inference"].pop("rule_activity") == {}
+    activity = state_on["inference"].pop("rule_activity")
+    assert set(activity) == set(RULE_SETS["vase"]) & set(VERDICT_RULES)
+    assert state_on["inference"]["n_envs"] == 4 and activity["debouncing"]["changed"] > 0
+    assert same_state(state_off, state_on)

@@ -313,3 +313,67 @@ def test_table1_names_the_rules_a_run_left_out():
     result = {"ablation": "SDA", "rules": "vase", "rules_without": ["settling"], "capacity_form": "squared"}
     assert row_label(result) == "SDA (without settling)"
     assert row_label({"ablation": "SDA", "rules": "vase", "capacity_form": "squared"}) == "SDA"
+
+
+# -- inference.counterfactuals: which rules changed a verdict -------------------------------------------
+def counted(names, stream):
+    """The rule activity after `stream` (errors per batch, from step 0) under the rule set `names`."""
+    cfg = case_config()
+    cfg.inference.counterfactuals = True
+    inf = with_rules(names, cfg)
+    for step, error in enumerate(stream):
+        decide(inf, step, error)
+    return {name: count["changed"] for name, count in inf.activity.items()}
+
+
+def test_counterfactuals_count_the_batches_a_rule_decided_and_only_those():
+    """kappa 1.5, margin 25: after a batch of 100 nats, 160 passes only with the margin (a batch
+    the margin decided), 140 passes without it, and 1000 fails either way (then debouncing, patience
+    3, decides two batches: without it the first failing batch allocates, with it the third does)."""
+    names = ("debouncing", "frozen_while_pending", "error_margin")
+    assert counted(names, [100.0, 140.0, 140.0]) == {"debouncing": 0, "error_margin": 0}
+    assert counted(names, [100.0, 160.0, 140.0]) == {"debouncing": 0, "error_margin": 1}
+    assert counted(names, [100.0, 1000.0, 1000.0, 1000.0]) == {"debouncing": 2, "error_margin": 0}
+    assert counted(("hysteresis",), [100.0, 1000.0]) == {}  # not a verdict rule: not counted
+    cfg = case_config()
+    assert with_rules(names, cfg).activity == {}  # off by default
+
+
+def test_counting_counterfactuals_changes_no_decision_and_no_state():
+    stream = [100.0, 160.0, 1000.0, 1000.0, 1000.0, {0: 1000.0, 1: 90.0}, 140.0]
+    runs = []
+    for on in (False, True):
+        cfg = case_config()
+        cfg.inference.counterfactuals = on
+        inf = with_rules(RULE_SETS["vase"], cfg)
+        runs.append(([decide(inf, step, error).as_dict() for step, error in enumerate(stream)], inf))
+    (off, inf_off), (on, inf_on) = runs
+    assert off == on
+    state_off, state_on = inf_off.state_dict(), inf_on.state_dict()
+    assert state_off.pop("rule_activity") == {} and sum(c["changed"] for c in state_on.pop("rule_activity").values())
+    assert str(state_off) == str(state_on)
+
+
+def test_the_counts_resume_with_the_inference():
+    cfg = case_config()
+    cfg.inference.counterfactuals = True
+    inf = with_rules(("debouncing", "error_margin"), cfg)
+    for step, error in enumerate([100.0, 160.0, 1000.0]):
+        decide(inf, step, error)
+    resumed = with_rules(("debouncing", "error_margin"), cfg)
+    resumed.load_state_dict(inf.state_dict())
+    assert resumed.activity == inf.activity and resumed.activity["error_margin"]["first_step"] == 1
+
+
+def test_the_summary_names_the_batches_each_rule_decided():
+    from pathlib import Path
+
+    from vase.summary import summary_text
+
+    results = {"ablation": "SDA", "mode": "disentangled", "preset": "cpu", "steps": 1, "wall_time_s": 1.0,
+               "environments_inferred": 1, "environments_true": 1, "inferred_vs_true": [],
+               "rule_activity": {"debouncing": {"changed": 2, "first_step": 1, "last_step": 2},
+                                 "error_margin": {"changed": 0, "first_step": None, "last_step": None}}}
+    assert "debouncing 2 (steps 1-2), error_margin 0" in summary_text(results, Path("run"))
+    results["rule_activity"] = {}  # off
+    assert "decided" not in summary_text(results, Path("run"))

@@ -135,6 +135,12 @@ class InferenceConfig:
     relied_kl: float = 1.0
     foreign_use: float = 0.5
     classifier_lr: float = 1e-3
+    # A study instrument [ours]: on every judged batch, also decide it as the set would without each
+    # rule that acts on the verdict alone (`vase.rules.VERDICT_RULES`), and count the batches where
+    # that decision differs (results.json, "rule_activity"). A rule that never changes a verdict
+    # leaves the run as it would be without it (docs/method.md, rules beyond eq. 6). Off: the
+    # extra decodes cost a few per cent.
+    counterfactuals: bool = False
     # Steps after an allocation during which no further allocation happens [ours].
     cooldown: int = 200
 

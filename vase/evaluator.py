@@ -240,6 +240,8 @@ class Evaluator(Callback):
             "inferred_vs_true": inferred,
             "inference_events": self.record.events,
             "pending_batches": self.record.pending,
+            # inference.counterfactuals: per rule acting on the verdict alone, the batches it decided.
+            "rule_activity": learner.inference.activity,
             "final_masks": learner.slots.stack("mask")[: max(1, learner.inference.n_envs)].int().tolist(),
             "heldout_reconstruction_matrix": self.record.recon_matrix,
             "cross_domain_errors": cross,

@@ -13,7 +13,9 @@ The per-environment state (a^s, its smoothed alpha, L_s, latent usage) is one re
 """
 from __future__ import annotations
 
+import copy
 import warnings
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -71,6 +73,27 @@ class EnvironmentInference:
         self.current = 0
         self.pending = 0  # consecutive batches that failed every candidate
         self.full_warned = False
+        # inference.counterfactuals: per rule acting on the verdict alone, the set without it (its
+        # hooks and its settings as printed), and the batches on which that set decided otherwise.
+        self.shadows = {name: self.without(cfg, name) for name in rules.VERDICT_RULES
+                        if self.cfg.counterfactuals and self.with_s and name in self.rule_names}
+        self.activity = {name: {"changed": 0, "first_step": None, "last_step": None} for name in self.shadows}
+
+    def without(self, cfg: Config, name: str):
+        """The hooks and inference settings of this rule set less the rule `name`."""
+        cut = copy.deepcopy(cfg)
+        cut.inference.without = [*cut.inference.without, name]
+        return rules.hooks([r for r in self.rules if r.name != name]), rules.as_configured(cut).inference
+
+    @contextmanager
+    def viewed_as(self, hooks: dict, cfg):
+        """Judge with other hooks and settings for a while; the state is read, never written."""
+        saved = self.hooks, self.cfg
+        self.hooks, self.cfg = hooks, cfg
+        try:
+            yield
+        finally:
+            self.hooks, self.cfg = saved
 
     def rule(self, name: str) -> rules.Rule | None:
         """The rule of this set called `name`, if it acts here."""
@@ -174,18 +197,12 @@ class EnvironmentInference:
         return reasons, latents
 
     # -- the decision -----------------------------------------------------------------------------
-    def infer(self, step: int, probs: torch.Tensor, alpha: torch.Tensor, usage: torch.Tensor,
-              error_under: Callable[[int], float]) -> Decision:
-        """Decide the environment of one batch (eq. 6) from q_psi's `probs`, its atypicality and
-        per-latent use (`reading`). `error_under(s)` reconstructs it under s."""
-        if self.n_envs == 0:
-            return self.allocate(step, 0, "first", [])
-        predicted = self.predict(probs)
-        for hook in self.hooks["begin"]:
-            hook(self, step)
+    def judge(self, step: int, predicted: int, probs: torch.Tensor, alpha: torch.Tensor, usage: torch.Tensor,
+              error_under: Callable[[int], float]):
+        """Eq. 6 on one batch, reading the state and writing none of it: (verdict, env, the first
+        candidate's (reasons, error, threshold, latents), every candidate tried with its failed tests)."""
         if any(hook(self, step) for hook in self.hooks["unjudged"]):
-            self.pending = 0
-            return Decision(step, self.current, predicted, "same")
+            return "same", self.current, None, []
         candidates = [predicted]
         for hook in self.hooks["candidates"]:
             candidates = hook(self, probs, candidates)
@@ -197,17 +214,51 @@ class EnvironmentInference:
             if first is None:
                 first = (reasons, error, self.threshold(env), latents)
             if not reasons:
-                verdict = "same" if env == self.current else "switch"
-                restored = self.leave(env)
-                if verdict == "switch":
-                    for hook in self.hooks["switched"]:
-                        hook(self, env, step)
-                self.current, self.pending = env, 0
-                return Decision(step, env, predicted, verdict, *first, tried, restored)
-        self.pending += 1
-        if self.pending < self.cfg.patience:
-            return Decision(step, self.current, predicted, "pending", *first, tried)
+                return ("same" if env == self.current else "switch"), env, first, tried
+        if self.pending + 1 < self.cfg.patience:
+            return "pending", self.current, first, tried
         if self.n_envs >= self.k_max:
+            return "full", self.current, first, tried
+        return "new", self.n_envs, first, tried
+
+    def count_counterfactuals(self, step: int, verdict: str, env: int, judge_args: tuple) -> None:
+        """inference.counterfactuals: the batches on which the set without a rule decides otherwise."""
+        for name, (hooks, cfg) in self.shadows.items():
+            with self.viewed_as(hooks, cfg):
+                other = self.judge(step, *judge_args)[:2]
+            if other != (verdict, env):
+                count = self.activity[name]
+                count["changed"] += 1
+                count["first_step"] = step if count["first_step"] is None else count["first_step"]
+                count["last_step"] = step
+
+    def infer(self, step: int, probs: torch.Tensor, alpha: torch.Tensor, usage: torch.Tensor,
+              error_under: Callable[[int], float]) -> Decision:
+        """Decide the environment of one batch (eq. 6) from q_psi's `probs`, its atypicality and
+        per-latent use (`reading`). `error_under(s)` reconstructs it under s."""
+        if self.n_envs == 0:
+            return self.allocate(step, 0, "first", [])
+        predicted = self.predict(probs)
+        for hook in self.hooks["begin"]:
+            hook(self, step)
+        args = (predicted, probs, alpha, usage, error_under)
+        verdict, env, first, tried = self.judge(step, *args)
+        if self.shadows:
+            self.count_counterfactuals(step, verdict, env, args)
+        if first is None:  # unjudged
+            self.pending = 0
+            return Decision(step, self.current, predicted, "same")
+        if verdict in ("same", "switch"):
+            restored = self.leave(env)
+            if verdict == "switch":
+                for hook in self.hooks["switched"]:
+                    hook(self, env, step)
+            self.current, self.pending = env, 0
+            return Decision(step, env, predicted, verdict, *first, tried, restored)
+        self.pending += 1
+        if verdict == "pending":
+            return Decision(step, self.current, predicted, "pending", *first, tried)
+        if verdict == "full":
             if not self.full_warned:
                 warnings.warn(
                     f"step {step}: the stream looks like a new environment but all {self.k_max} slots "
@@ -260,7 +311,8 @@ class EnvironmentInference:
     # -- checkpointing ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         state = {"n_envs": self.n_envs, "current": self.current, "pending": self.pending,
-                 "full_warned": self.full_warned, "slots": self.slots.state_dict()}
+                 "full_warned": self.full_warned, "slots": self.slots.state_dict(),
+                 "rule_activity": copy.deepcopy(self.activity)}
         for rule in self.rules:
             state.update(rule.state_dict())
         return state
@@ -270,6 +322,9 @@ class EnvironmentInference:
         self.n_envs, self.current = int(d["n_envs"]), int(d["current"])
         self.pending, self.full_warned = int(d["pending"]), bool(d["full_warned"])
         self.slots.load_state_dict(d["slots"])
+        for name, count in d.get("rule_activity", {}).items():  # absent before inference.counterfactuals
+            if name in self.activity:
+                self.activity[name] = dict(count)
         for rule in self.rules:
             rule.load_state_dict(d, self.device)
 

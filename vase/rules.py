@@ -358,6 +358,11 @@ RULE_SETS: dict[str, tuple[str, ...]] = {
     "vase": tuple(RULES),
     "paper": ("debouncing", "frozen_while_pending", "hysteresis", "smoothed_atypicality"),
 }
+# The rules that act on a batch's verdict and on nothing else: for them, a run in which leaving one
+# out changes no verdict is the run without it (`inference.counterfactuals`). Settling also reopens
+# its period when a mask changes, and that bookkeeping is not counted.
+VERDICT_RULES = ("debouncing", "current_first", "settling", "ranked_fallback", "foreign_latents", "error_margin",
+                 "settled_masks")
 HOOKS = ("reading", "begin", "unjudged", "candidates", "mask_scope", "test", "leaving", "switched",
          "allocated", "records", "maskable", "mask_changed")
 

@@ -36,6 +36,13 @@ def summary_text(results: dict, run_dir: Path) -> str:
         for env, row in zip(results["inferred_vs_true"], cross):
             cells = [f"{e:.1f}" + ("*" if env["inferred_env"] == s else " ") for s, e in enumerate(row)]
             lines.append(f"  {env['true_env']:<18}" + "".join(f"{c:>10}" for c in cells))
+    activity = results.get("rule_activity")
+    if activity:
+        lines.append("batches whose verdict each rule decided (the set without it decides otherwise, "
+                     "inference.counterfactuals): " + ", ".join(
+                         f"{name} {count['changed']}" + (f" (steps {count['first_step']}-{count['last_step']})"
+                                                          if count["changed"] else "")
+                         for name, count in activity.items()))
     use = results.get("latent_use") or []
     if use:
         n = len(use[0]["kl_per_latent"])
