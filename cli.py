@@ -197,7 +197,7 @@ def table(run_dirs, as_json, markdown, output, readme):
             Path(output).write_text(results_page(rows, dirs, Path(output)))
             click.echo(f"wrote {output}")
         if readme:
-            rewrite_readme(Path(readme), rows, dirs)
+            rewrite_readme(Path(readme), dirs)
             click.echo(f"rewrote the results block of {readme}")
     except VaseError as e:
         _fail(e)

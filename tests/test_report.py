@@ -7,7 +7,15 @@ from click.testing import CliRunner
 
 from cli import main
 from vase.errors import VaseError
-from vase.report import RESULTS_BEGIN, RESULTS_END, readme_block, replace_block, results_page, table1_markdown
+from vase.report import (
+    RESULTS_BEGIN,
+    RESULTS_END,
+    readme_block,
+    readme_text,
+    replace_block,
+    results_page,
+    table1_markdown,
+)
 from vase.table1 import heldout_retention, load_results, table1_rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,6 +93,22 @@ def test_results_page_links_the_runs_and_the_readme_block_is_replaced(tmp_path):
     assert "[docs/results/study](docs/results/study/) (2 runs)" in text and "| SDA | 0, 1 |" in text
 
 
+def test_a_readme_block_that_names_a_study_shows_that_study_alone(tmp_path):
+    runs = []
+    for study, ablation in (("old", "-"), ("long", "SDA")):
+        run = tmp_path / "docs" / "results" / study / "s0"
+        run.mkdir(parents=True)
+        (run / "results.json").write_text(json.dumps(_results(ablation, 0)))
+        runs.append(run)
+    readme = tmp_path / "README.md"
+    text = readme_text(f"# x\n<!-- results:begin docs/results/long -->\nold\n{RESULTS_END}\n", runs, readme)
+    assert text.startswith("# x\n<!-- results:begin docs/results/long -->\n")  # the marker stays
+    assert "| SDA | 0 |" in text and "| - |" not in text and "docs/results/old" not in text
+    assert "| - |" in readme_text(f"{RESULTS_BEGIN}\n{RESULTS_END}\n", runs, readme)  # no study: every run
+    with pytest.raises(VaseError, match="shows the study docs/results/gone, and no run given is in it"):
+        readme_text(f"<!-- results:begin docs/results/gone -->\n{RESULTS_END}\n", runs, readme)
+
+
 def test_replace_block_refuses_a_file_without_the_markers():
     with pytest.raises(VaseError, match="results:begin"):
         replace_block("no markers here", "table")
@@ -100,7 +124,7 @@ def test_docs_results_and_the_readme_block_are_what_the_committed_runs_give():
     rows = table1_rows(load_results(runs))
     assert (ROOT / "docs" / "results.md").read_text() == results_page(rows, runs, ROOT / "docs" / "results.md")
     readme = (ROOT / "README.md").read_text()
-    assert readme == replace_block(readme, readme_block(rows, runs, ROOT / "README.md"))
+    assert readme == readme_text(readme, runs, ROOT / "README.md")
 
 
 def test_committed_runs_are_small_and_have_no_checkpoints():

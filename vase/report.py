@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 
 READINGS = {"mean": "μ(x)", "sample": "posterior samples under the inferred slot"}
@@ -23,9 +24,11 @@ PAPER_CHANGES = {
     ("entangled", "SDA"): (-6.5, 3.9),
 }
 
-# The markers between which `vase table --readme` rewrites a file's results block.
+# The markers between which `vase table --readme` rewrites a file's results block. The opening one
+# may name a study folder, relative to the file: the block then shows that study's runs alone.
 RESULTS_BEGIN = "<!-- results:begin -->"
 RESULTS_END = "<!-- results:end -->"
+_BEGIN = re.compile(r"<!-- results:begin(?: (\S+))? -->")
 # How docs/results.md and the README's block are made; both say so, and a test holds them to it.
 REGENERATE = "vase table docs/results/*/* --markdown --output docs/results.md --readme README.md"
 
@@ -192,18 +195,33 @@ def markdown_tables(rows: list[dict]) -> str:
     return table1_markdown(rows) + "\n" + heldout_markdown(rows)
 
 
-def rewrite_readme(readme: Path, rows: list[dict], run_dirs: list[Path]) -> None:
-    """Replace the results block of the file `readme` by that of these runs (`readme_block`)."""
-    readme.write_text(replace_block(readme.read_text(), readme_block(rows, run_dirs, readme)))
+def readme_text(text: str, run_dirs: list[Path], readme: Path) -> str:
+    """The file `readme`'s `text` with its results block made from these runs (`readme_block`), or
+    from those under the study folder its opening marker names."""
+    from vase.errors import VaseError
+    from vase.table1 import load_results, table1_rows
+
+    found = _BEGIN.search(text)
+    if found and found.group(1):
+        study = (readme.parent / found.group(1)).resolve()
+        run_dirs = [d for d in run_dirs if study in Path(d).resolve().parents]
+        if not run_dirs:
+            raise VaseError(f"{readme}'s results block shows the study {found.group(1)}, and no run given is in it")
+    return replace_block(text, readme_block(table1_rows(load_results(run_dirs)), run_dirs, readme))
+
+
+def rewrite_readme(readme: Path, run_dirs: list[Path]) -> None:
+    """Replace the results block of the file `readme` (`readme_text`)."""
+    readme.write_text(readme_text(readme.read_text(), run_dirs, readme))
 
 
 def replace_block(text: str, block: str) -> str:
-    """`text` with what lies between RESULTS_BEGIN and RESULTS_END replaced by `block`."""
+    """`text` with what lies between its opening marker (RESULTS_BEGIN, or one naming a study) and
+    RESULTS_END replaced by `block`."""
     from vase.errors import VaseError
 
-    if text.count(RESULTS_BEGIN) != 1 or text.count(RESULTS_END) != 1 or (
-            text.index(RESULTS_BEGIN) > text.index(RESULTS_END)):
+    begins = list(_BEGIN.finditer(text))
+    if len(begins) != 1 or text.count(RESULTS_END) != 1 or begins[0].start() > text.index(RESULTS_END):
         raise VaseError(f"the file needs one {RESULTS_BEGIN} line followed by one {RESULTS_END} line")
-    head, rest = text.split(RESULTS_BEGIN, 1)
-    tail = rest.split(RESULTS_END, 1)[1]
-    return f"{head}{RESULTS_BEGIN}\n\n{block.strip()}\n\n{RESULTS_END}{tail}"
+    head, tail = text[:begins[0].end()], text[begins[0].end():].split(RESULTS_END, 1)[1]
+    return f"{head}\n\n{block.strip()}\n\n{RESULTS_END}{tail}"
