@@ -6,7 +6,6 @@ import torch
 
 from vase.config import Config, InferenceConfig, MaskConfig
 from vase.inference import MASK, RECONSTRUCTION, build
-from vase.rules import ForeignLatents
 
 N = 4
 
@@ -150,39 +149,6 @@ def test_resettling_a_past_environment_changes_nothing():
     decide(inf, slots, 10, {0: 400.0, 1: 100.0})  # env 1 is current
     inf.rule("settling").mask_changed(inf, 0, 20)
     assert inf.rule("settling").since == 10 and slots[0].recorded
-
-
-def test_a_past_environment_is_refused_when_the_batch_uses_a_latent_only_another_relies_on():
-    inf, slots = setup(patience=1, k_max=5)
-    uses_01 = torch.tensor([1.5, 1.5, 0.0, 0.0])  # env 0: latents 0 and 1 (say, position)
-    uses_013 = torch.tensor([1.5, 1.5, 0.0, 2.0])  # env 1 adds latent 3 (say, digit identity)
-    decide(inf, slots, 0, 100.0, info=uses_01)
-    decide(inf, slots, 1, {0: 400.0, 1: 100.0}, info=uses_013)  # new env 1
-    decide(inf, slots, 2, {0: 400.0, 1: 400.0, 2: 100.0}, info=uses_01)  # new env 2 is current
-    # A batch like env 1's, which also fits env 0's reconstruction threshold and masks: env 0
-    # never used latent 3, env 1 relies on it (2 nats) and the batch carries 1.8 of it.
-    d = decide(inf, slots, 3, {0: 110.0, 1: 400.0, 2: 400.0, 3: 100.0}, info=torch.tensor([1.5, 1.5, 0.0, 1.8]),
-               probs=torch.tensor([0.9, 0.05, 0.05, 0.0, 0.0]))
-    assert d.verdict == "new" and d.env == 3
-    assert d.tried == [[2, ["reconstruction"]], [0, ["usage"]], [1, ["reconstruction"]]]
-    # A batch of env 0 that carries a little of latent 3 (0.4 < 0.5 * 2.0) is re-identified.
-    inf.current = 2
-    d = decide(inf, slots, 4, {0: 110.0, 1: 400.0, 2: 400.0, 3: 400.0}, info=torch.tensor([1.5, 1.5, 0.0, 0.4]),
-               probs=torch.tensor([0.9, 0.05, 0.05, 0.0, 0.0]))
-    assert (d.verdict, d.env) == ("switch", 0)
-
-
-def test_the_current_environment_is_never_refused_for_usage():
-    inf, slots = setup(patience=1)
-    decide(inf, slots, 0, 100.0, info=torch.tensor([1.5, 0.0, 0.0, 0.0]))
-    decide(inf, slots, 1, {0: 400.0, 1: 100.0}, info=torch.tensor([0.0, 0.0, 0.0, 2.0]))  # env 1 uses latent 3
-    decide(inf, slots, 2, {0: 100.0, 1: 400.0}, probs=torch.tensor([1.0, 0.0, 0.0]),
-           info=torch.tensor([1.5, 0.0, 0.0, 0.0]))  # back to env 0, now current
-    assert inf.current == 0
-    # Env 0 starts to use latent 3 as well (C(t) grows): no verdict against the current env.
-    assert ForeignLatents.latents(inf, 0, torch.tensor([1.5, 0.0, 0.0, 1.8])).any()
-    d = decide(inf, slots, 3, {0: 100.0, 1: 400.0}, info=torch.tensor([1.5, 0.0, 0.0, 1.8]))
-    assert (d.verdict, d.env) == ("same", 0)
 
 
 def _switch_back_into_env_0(cooldown):

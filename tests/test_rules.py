@@ -24,7 +24,7 @@ N = 4
 
 def case_config(with_s=True, mask_ema=0.0, with_a=True) -> Config:
     cfg = Config(inference=InferenceConfig(kappa=1.5, error_margin=25.0, patience=3, cooldown=5, used_kl=0.1,
-                                           error_ema=0.0, relied_kl=1.0, foreign_use=0.5, enabled=with_s),
+                                           error_ema=0.0, enabled=with_s),
                  mask=MaskConfig(lambda_low=0.5, lambda_high=1.0, ema=mask_ema, enabled=with_a))
     cfg.model.k_max, cfg.model.latents = 4, N
     return cfg
@@ -99,28 +99,10 @@ def mask_after(alpha0, previous0, mask_ema=0.0):
     return run
 
 
-def env_of_a_batch_both_pass(probs):
-    def run(names):
-        inf = with_rules(names)
-        decide(inf, 0, 100.0)
-        decide(inf, 1, {0: 1000.0, 1: 100.0})
-        return decide(inf, 2, {0: 100.0, 1: 100.0}, probs=probs).env
-    return run
-
-
 def env_of_a_returning_batch(probs):
     def run(names):
         inf = three_environments(names)
         return decide(inf, 3, {0: 100.0, 1: 1000.0, 2: 1000.0, 3: 1000.0}, probs=probs).env
-    return run
-
-
-def env_of_a_batch_carrying(latent3):
-    def run(names):
-        inf = with_rules(names)
-        decide(inf, 0, 100.0, info=(1.5, 1.5, 0.0, 0.0))
-        decide(inf, 1, {0: 1000.0, 1: 100.0}, info=(1.5, 1.5, 0.0, 2.0))  # env 1 relies on latent 3
-        return decide(inf, 2, {0: 100.0, 1: 1000.0}, info=(1.5, 1.5, 0.0, latent3)).env
     return run
 
 
@@ -188,11 +170,9 @@ CASES = {
     "frozen_while_pending": (error_after_a_batch(1000.0), error_after_a_batch(120.0), ("debouncing",)),
     "hysteresis": (mask_after(0.7, 0.0), mask_after(2.0, 0.0), ()),
     "smoothed_atypicality": (mask_after(3.0, 1.0, mask_ema=0.9), mask_after(0.0, 1.0, mask_ema=0.9), ()),
-    "current_first": (env_of_a_batch_both_pass(onehot(0)), env_of_a_batch_both_pass(onehot(1)), ()),
     "settling": (verdict_of(1000.0, step=1), verdict_of(1000.0, step=10), ()),
     "ranked_fallback": (env_of_a_returning_batch(torch.tensor([0.2, 0.7, 0.1, 0.0])),
                         env_of_a_returning_batch(onehot(0)), ()),
-    "foreign_latents": (env_of_a_batch_carrying(1.8), env_of_a_batch_carrying(0.4), ()),
     "information": (reading(0.5), reading(0.0), ()),
     "probation": (usage_of_env_0_left_after(3), usage_of_env_0_left_after(10), ()),
     "error_margin": (verdict_of(3.0, step=1, first=1.0), verdict_of(40.0, step=1, first=1.0), ()),
@@ -295,18 +275,18 @@ def test_a_rule_left_out_with_without_is_gone_and_its_setting_takes_the_printed_
     """inference.without drops named rules from the chosen set, for the one-rule-out runs that test
     whether the long regime still needs a rule."""
     cfg = case_config()
-    cfg.inference.without = ["error_margin", "current_first"]
+    cfg.inference.without = ["error_margin", "ranked_fallback"]
     names = build(cfg).rule_names
-    assert "current_first" not in names and "error_margin" not in names
-    assert set(names) == set(RULE_SETS["vase"]) - {"current_first", "error_margin"}
+    assert "ranked_fallback" not in names and "error_margin" not in names
+    assert set(names) == set(RULE_SETS["vase"]) - {"ranked_fallback", "error_margin"}
     assert as_configured(cfg).inference.error_margin == 0.0  # eq. 6's kappa * L_s with no slack
     assert as_configured(case_config()).inference.error_margin == 25.0
 
 
 def test_without_refuses_a_rule_the_set_does_not_have():
-    with pytest.raises(ConfigError, match="does not have: current_first"):
-        build_config("cpu", ["inference.rules=paper", "inference.without=current_first"]).validate()
-    build_config("cpu", ["inference.without=current_first,settling"]).validate()
+    with pytest.raises(ConfigError, match="does not have: ranked_fallback"):
+        build_config("cpu", ["inference.rules=paper", "inference.without=ranked_fallback"]).validate()
+    build_config("cpu", ["inference.without=ranked_fallback,settling"]).validate()
 
 
 def test_table1_names_the_rules_a_run_left_out():

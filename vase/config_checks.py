@@ -52,8 +52,6 @@ def problems(cfg: Config) -> list[str]:
         errs.append("mask.ema and inference.error_ema must be in [0, 1)")
     if cfg.inference.kappa <= 0 or cfg.inference.error_margin < 0:
         errs.append("inference.kappa must be > 0 and inference.error_margin >= 0")
-    if cfg.inference.relied_kl <= 0 or cfg.inference.foreign_use <= 0:
-        errs.append("inference.relied_kl and inference.foreign_use must be > 0")
     if cfg.inference.patience < 1:
         errs.append("inference.patience must be at least 1")
     if cfg.dream.snapshot_every < 1:

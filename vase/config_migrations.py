@@ -31,6 +31,12 @@ def removed(path: str, inert: Any) -> Callable[[Any], Any]:
     return read
 
 
+def dropped(saved: Any) -> Any:
+    """A setting of a rule deleted because it changed no verdict in any run we measured (docs/method.md,
+    rules beyond eq. 6): its value is dropped, and the run goes on without the rule."""
+    return MISSING
+
+
 def comma_text(saved: Any) -> Any:
     """A list setting saved as comma text ("32,32,32,32"), as every list was before lists were JSON."""
     return comma_list(saved) if isinstance(saved, str) else saved
@@ -44,6 +50,8 @@ MIGRATIONS: dict[str, Callable[[Any], Any]] = {
     # Rules pruned for want of a failure they fix (docs/method.md, rules beyond eq. 6).
     "objective.aggregate_weight": removed("objective.aggregate_weight", 0.0),
     "inference.probation_relies_on_past_usage": removed("inference.probation_relies_on_past_usage", False),
+    "inference.relied_kl": dropped,  # foreign_latents
+    "inference.foreign_use": dropped,
     "data.sequence": comma_text,
     "data.steps_per_env": comma_text,
     "model.channels": comma_text,

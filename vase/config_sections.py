@@ -129,11 +129,6 @@ class InferenceConfig:
     # A latent counts as "used" by an environment when it carries more than this many nats of
     # information: KL minus atypicality, an estimate of I(x; z_n) [ours].
     used_kl: float = 0.1
-    # Re-identifying a PAST environment s also needs the batch's latent usage to agree with s's
-    # [ours]: a latent s does not use, that another environment relies on (usage above
-    # relied_kl nats), must not carry more than foreign_use times that usage on this batch.
-    relied_kl: float = 1.0
-    foreign_use: float = 0.5
     classifier_lr: float = 1e-3
     # A study instrument [ours]: on every judged batch, also decide it as the set would without each
     # rule that acts on the verdict alone (`vase.rules.VERDICT_RULES`), and count the batches where

@@ -38,7 +38,7 @@ class Decision:
     reasons: list[str] = field(default_factory=list)  # why the candidates failed
     error: float = float("nan")  # reconstruction error under the first candidate
     threshold: float = float("nan")  # kappa * L for that candidate
-    disagreeing: list[int] = field(default_factory=list)  # latents whose mask (or usage) test failed there
+    disagreeing: list[int] = field(default_factory=list)  # latents whose mask test failed there
     tried: list = field(default_factory=list)  # [candidate, its failed tests] for every env tried
     restored: int | None = None  # a past environment left while on probation: its statistics rolled back
 
@@ -189,11 +189,6 @@ class EnvironmentInference:
             latents = disagreeing.nonzero().flatten().tolist()
             if latents:
                 reasons.append(MASK)
-        for test in self.hooks["test"]:
-            failed = test(self, env, usage)
-            if failed is not None:
-                reasons.append(failed[0])
-                latents = sorted(set(latents) | set(failed[1]))
         return reasons, latents
 
     # -- the decision -----------------------------------------------------------------------------

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from vase.inference import Decision, EnvironmentInference
 
 # The tests of eq. 6 a candidate environment can fail, as `Decision.reasons` names them.
-RECONSTRUCTION, MASK, USAGE = "reconstruction", "mask", "usage"
+RECONSTRUCTION, MASK = "reconstruction", "mask"
 
 
 class Rule:
@@ -60,10 +60,6 @@ class Rule:
         """The latents the mask test reads, (switched off by the batch, switched on by the batch);
         printed: the latents env or the batch uses, for both."""
         return scope
-
-    def test(self, inf: EnvironmentInference, env: int, usage: torch.Tensor) -> tuple[str, list[int]] | None:
-        """A further test of candidate env: (reason, latents) when it fails, None when it passes."""
-        return None
 
     def leaving(self, inf: EnvironmentInference, env: int) -> int | None:
         """The stream goes to env; returns an environment whose statistics were restored, if any."""
@@ -137,18 +133,6 @@ class SmoothedAtypicality(Rule):
 
 
 # -- the `vase` set --------------------------------------------------------------------------------------
-class CurrentFirst(Rule):
-    """The current environment is tested before s_hat, which decides only when the current fails.
-    Fixes: right after an allocation the classifier still names the old slot, so every batch of the
-    new environment was sent to yet another new slot (8 slots for 3 environments with `paper`,
-    docs/method.md). Setting: none."""
-
-    name = "current_first"
-
-    def candidates(self, inf, probs, envs):
-        return [inf.current] + [s for s in envs if s != inf.current]
-
-
 class Settling(Rule):
     """A new environment trains unjudged for `cooldown` steps, and a change of its own mask reopens
     that period with L_s re-learnt under the new mask. Fixes: a slot's L_s, usage and mask rest on a
@@ -190,30 +174,6 @@ class RankedFallback(Rule):
     def candidates(self, inf, probs, envs):
         ranked = probs[: inf.n_envs].argsort(descending=True, stable=True).tolist()
         return envs + [s for s in ranked if s not in envs]
-
-
-class ForeignLatents(Rule):
-    """A past environment env is refused when the batch carries, in a latent env does not use and
-    another environment relies on (usage above `relied_kl`), at least `foreign_use` times that
-    usage: the batch expresses a factor env never had. The mask test cannot see such a latent (a^env
-    leaves a latent env never used on). Fixes: two moving sets share the position latents; moving
-    MNIST costs fewer nats than moving Fashion and fitted under Fashion's threshold. Not applied to
-    the current environment, which may start using a latent at any time as C(t) grows.
-    Settings: `inference.relied_kl`, `inference.foreign_use`."""
-
-    name = "foreign_latents"
-    settings = ("inference.relied_kl", "inference.foreign_use")
-
-    def test(self, inf, env, usage):
-        if env == inf.current:
-            return None
-        latents = self.latents(inf, env, usage).nonzero().flatten().tolist()
-        return (USAGE, latents) if latents else None
-
-    @staticmethod
-    def latents(inf: EnvironmentInference, env: int, usage: torch.Tensor) -> torch.Tensor:
-        relied = inf.usage_elsewhere(env)
-        return ~inf.used(env) & (relied > inf.cfg.relied_kl) & (usage > inf.cfg.foreign_use * relied)
 
 
 class Information(Rule):
@@ -351,7 +311,7 @@ class FreshLatentPenalty(Rule):
 
 RULES: dict[str, type[Rule]] = {rule.name: rule for rule in (
     Debouncing, FrozenWhilePending, Hysteresis, SmoothedAtypicality,
-    CurrentFirst, Settling, RankedFallback, ForeignLatents, Information, Probation, ErrorMargin, SettledMasks,
+    Settling, RankedFallback, Information, Probation, ErrorMargin, SettledMasks,
     OthersLatentsOnly, LearntLatentsOnly, OwnCapacityRamp, FreshLatentPenalty,
 )}
 RULE_SETS: dict[str, tuple[str, ...]] = {
@@ -361,9 +321,8 @@ RULE_SETS: dict[str, tuple[str, ...]] = {
 # The rules that act on a batch's verdict and on nothing else: for them, a run in which leaving one
 # out changes no verdict is the run without it (`inference.counterfactuals`). Settling also reopens
 # its period when a mask changes, and that bookkeeping is not counted.
-VERDICT_RULES = ("debouncing", "current_first", "settling", "ranked_fallback", "foreign_latents", "error_margin",
-                 "settled_masks")
-HOOKS = ("reading", "begin", "unjudged", "candidates", "mask_scope", "test", "leaving", "switched",
+VERDICT_RULES = ("debouncing", "settling", "ranked_fallback", "error_margin", "settled_masks")
+HOOKS = ("reading", "begin", "unjudged", "candidates", "mask_scope", "leaving", "switched",
          "allocated", "records", "maskable", "mask_changed")
 
 
