@@ -77,7 +77,7 @@ def test_eq6_switches_to_the_classifiers_pick_and_has_no_other_candidates():
     back = decide(inf, slots, 3, {0: 100.0, 1: 900.0}, onehot(0))
     assert (back.verdict, back.env) == ("switch", 0)
     wrong = decide(inf, slots, 4, {0: 100.0, 1: 900.0}, onehot(1))
-    assert (wrong.verdict, wrong.env, wrong.tried) == ("new", 2, [[1, [RECONSTRUCTION]]])
+    assert (wrong.verdict, wrong.env, wrong.reasons) == ("new", 2, [RECONSTRUCTION])
 
 
 def test_the_paper_set_masks_any_atypical_latent():

@@ -61,15 +61,6 @@ def decide(inf, step, error, info=(1.0, 1.0, 0.0, 0.0), probs=None):
     return d
 
 
-def three_environments(names):
-    inf = with_rules(names)
-    decide(inf, 0, 100.0)
-    decide(inf, 1, {0: 1000.0, 1: 100.0})
-    decide(inf, 2, {0: 1000.0, 1: 1000.0, 2: 100.0})
-    assert (inf.n_envs, inf.current) == (3, 2)
-    return inf
-
-
 # -- one case per rule: the outcome of a rule set with and without the rule ---------------------------------
 def verdict_of(error, step=10, first=100.0):
     """The verdict on a batch of `error` at `step`, after a first batch of `first` at step 0."""
@@ -96,13 +87,6 @@ def mask_after(alpha0, previous0, mask_ema=0.0):
         inf.slots[0].mask[0] = previous0
         inf.masking.update(inf.slots[0], torch.tensor([alpha0, 0.0, 0.0, 0.0]), inf.maskable(0))
         return inf.slots[0].mask.tolist()
-    return run
-
-
-def env_of_a_returning_batch(probs):
-    def run(names):
-        inf = three_environments(names)
-        return decide(inf, 3, {0: 100.0, 1: 1000.0, 2: 1000.0, 3: 1000.0}, probs=probs).env
     return run
 
 
@@ -171,8 +155,6 @@ CASES = {
     "hysteresis": (mask_after(0.7, 0.0), mask_after(2.0, 0.0), ()),
     "smoothed_atypicality": (mask_after(3.0, 1.0, mask_ema=0.9), mask_after(0.0, 1.0, mask_ema=0.9), ()),
     "settling": (verdict_of(1000.0, step=1), verdict_of(1000.0, step=10), ()),
-    "ranked_fallback": (env_of_a_returning_batch(torch.tensor([0.2, 0.7, 0.1, 0.0])),
-                        env_of_a_returning_batch(onehot(0)), ()),
     "information": (reading(0.5), reading(0.0), ()),
     "probation": (usage_of_env_0_left_after(3), usage_of_env_0_left_after(10), ()),
     "error_margin": (verdict_of(3.0, step=1, first=1.0), verdict_of(40.0, step=1, first=1.0), ()),
@@ -275,18 +257,18 @@ def test_a_rule_left_out_with_without_is_gone_and_its_setting_takes_the_printed_
     """inference.without drops named rules from the chosen set, for the one-rule-out runs that test
     whether the long regime still needs a rule."""
     cfg = case_config()
-    cfg.inference.without = ["error_margin", "ranked_fallback"]
+    cfg.inference.without = ["error_margin", "probation"]
     names = build(cfg).rule_names
-    assert "ranked_fallback" not in names and "error_margin" not in names
-    assert set(names) == set(RULE_SETS["vase"]) - {"ranked_fallback", "error_margin"}
+    assert "probation" not in names and "error_margin" not in names
+    assert set(names) == set(RULE_SETS["vase"]) - {"probation", "error_margin"}
     assert as_configured(cfg).inference.error_margin == 0.0  # eq. 6's kappa * L_s with no slack
     assert as_configured(case_config()).inference.error_margin == 25.0
 
 
 def test_without_refuses_a_rule_the_set_does_not_have():
-    with pytest.raises(ConfigError, match="does not have: ranked_fallback"):
-        build_config("cpu", ["inference.rules=paper", "inference.without=ranked_fallback"]).validate()
-    build_config("cpu", ["inference.without=ranked_fallback,settling"]).validate()
+    with pytest.raises(ConfigError, match="does not have: probation"):
+        build_config("cpu", ["inference.rules=paper", "inference.without=probation"]).validate()
+    build_config("cpu", ["inference.without=probation,settling"]).validate()
 
 
 def test_table1_names_the_rules_a_run_left_out():

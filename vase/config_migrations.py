@@ -37,6 +37,16 @@ def dropped(saved: Any) -> Any:
     return MISSING
 
 
+# Rules that acted on the verdict alone and were deleted because they changed no verdict in any run
+# we measured (docs/method.md, rules beyond eq. 6).
+DELETED_VERDICT_RULES = ("current_first", "foreign_latents", "ranked_fallback")
+
+
+def without_deleted_rules(saved: Any) -> Any:
+    """inference.without less the deleted rules: a run made without one is the run of today's set."""
+    return saved if not isinstance(saved, list) else [name for name in saved if name not in DELETED_VERDICT_RULES]
+
+
 def comma_text(saved: Any) -> Any:
     """A list setting saved as comma text ("32,32,32,32"), as every list was before lists were JSON."""
     return comma_list(saved) if isinstance(saved, str) else saved
@@ -52,6 +62,7 @@ MIGRATIONS: dict[str, Callable[[Any], Any]] = {
     "inference.probation_relies_on_past_usage": removed("inference.probation_relies_on_past_usage", False),
     "inference.relied_kl": dropped,  # foreign_latents
     "inference.foreign_use": dropped,
+    "inference.without": without_deleted_rules,
     "data.sequence": comma_text,
     "data.steps_per_env": comma_text,
     "model.channels": comma_text,

@@ -35,11 +35,10 @@ class Decision:
     env: int  # the environment this batch is trained under
     predicted: int  # s_hat from the classifier
     verdict: str  # "first", "same", "switch", "pending", "new" or "full"
-    reasons: list[str] = field(default_factory=list)  # why the candidates failed
-    error: float = float("nan")  # reconstruction error under the first candidate
-    threshold: float = float("nan")  # kappa * L for that candidate
+    reasons: list[str] = field(default_factory=list)  # the tests of eq. 6 that s_hat failed
+    error: float = float("nan")  # reconstruction error under s_hat
+    threshold: float = float("nan")  # kappa * L_s_hat (plus the error margin)
     disagreeing: list[int] = field(default_factory=list)  # latents whose mask test failed there
-    tried: list = field(default_factory=list)  # [candidate, its failed tests] for every env tried
     restored: int | None = None  # a past environment left while on probation: its statistics rolled back
 
     def as_dict(self) -> dict:
@@ -71,7 +70,7 @@ class EnvironmentInference:
         self.k_max = len(slots)
         self.n_envs = 0
         self.current = 0
-        self.pending = 0  # consecutive batches that failed every candidate
+        self.pending = 0  # consecutive batches that failed eq. 6's tests
         self.full_warned = False
         # inference.counterfactuals: per rule acting on the verdict alone, the set without it (its
         # hooks and its settings as printed), and the batches on which that set decided otherwise.
@@ -192,29 +191,22 @@ class EnvironmentInference:
         return reasons, latents
 
     # -- the decision -----------------------------------------------------------------------------
-    def judge(self, step: int, predicted: int, probs: torch.Tensor, alpha: torch.Tensor, usage: torch.Tensor,
+    def judge(self, step: int, predicted: int, alpha: torch.Tensor, usage: torch.Tensor,
               error_under: Callable[[int], float]):
-        """Eq. 6 on one batch, reading the state and writing none of it: (verdict, env, the first
-        candidate's (reasons, error, threshold, latents), every candidate tried with its failed tests)."""
+        """Eq. 6 on one batch, reading the state and writing none of it: (verdict, env, and s_hat's
+        (reasons, error, threshold, latents), or None for a batch left unjudged)."""
         if any(hook(self, step) for hook in self.hooks["unjudged"]):
-            return "same", self.current, None, []
-        candidates = [predicted]
-        for hook in self.hooks["candidates"]:
-            candidates = hook(self, probs, candidates)
-        first, tried = None, []
-        for env in candidates:
-            error = error_under(env)
-            reasons, latents = self.failures(env, error, alpha, usage)
-            tried.append([env, reasons])
-            if first is None:
-                first = (reasons, error, self.threshold(env), latents)
-            if not reasons:
-                return ("same" if env == self.current else "switch"), env, first, tried
+            return "same", self.current, None
+        error = error_under(predicted)
+        reasons, latents = self.failures(predicted, error, alpha, usage)
+        tested = (reasons, error, self.threshold(predicted), latents)
+        if not reasons:
+            return ("same" if predicted == self.current else "switch"), predicted, tested
         if self.pending + 1 < self.cfg.patience:
-            return "pending", self.current, first, tried
+            return "pending", self.current, tested
         if self.n_envs >= self.k_max:
-            return "full", self.current, first, tried
-        return "new", self.n_envs, first, tried
+            return "full", self.current, tested
+        return "new", self.n_envs, tested
 
     def count_counterfactuals(self, step: int, verdict: str, env: int, judge_args: tuple) -> None:
         """inference.counterfactuals: the batches on which the set without a rule decides otherwise."""
@@ -236,11 +228,11 @@ class EnvironmentInference:
         predicted = self.predict(probs)
         for hook in self.hooks["begin"]:
             hook(self, step)
-        args = (predicted, probs, alpha, usage, error_under)
-        verdict, env, first, tried = self.judge(step, *args)
+        args = (predicted, alpha, usage, error_under)
+        verdict, env, tested = self.judge(step, *args)
         if self.shadows:
             self.count_counterfactuals(step, verdict, env, args)
-        if first is None:  # unjudged
+        if tested is None:  # unjudged
             self.pending = 0
             return Decision(step, self.current, predicted, "same")
         if verdict in ("same", "switch"):
@@ -249,10 +241,10 @@ class EnvironmentInference:
                 for hook in self.hooks["switched"]:
                     hook(self, env, step)
             self.current, self.pending = env, 0
-            return Decision(step, env, predicted, verdict, *first, tried, restored)
+            return Decision(step, env, predicted, verdict, *tested, restored)
         self.pending += 1
         if verdict == "pending":
-            return Decision(step, self.current, predicted, "pending", *first, tried)
+            return Decision(step, self.current, predicted, "pending", *tested)
         if verdict == "full":
             if not self.full_warned:
                 warnings.warn(
@@ -262,11 +254,11 @@ class EnvironmentInference:
                 )
                 self.full_warned = True
             self.pending = 0
-            return Decision(step, self.current, predicted, "full", *first, tried)
+            return Decision(step, self.current, predicted, "full", *tested)
         restored = self.leave(self.n_envs)
-        decision = self.allocate(step, self.n_envs, "new", first[0])
-        decision.predicted, decision.error, decision.threshold = predicted, first[1], first[2]
-        decision.disagreeing, decision.tried, decision.restored = first[3], tried, restored
+        decision = self.allocate(step, self.n_envs, "new", tested[0])
+        decision.predicted, decision.error, decision.threshold = predicted, tested[1], tested[2]
+        decision.disagreeing, decision.restored = tested[3], restored
         return decision
 
     def leave(self, env: int) -> int | None:

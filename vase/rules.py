@@ -51,10 +51,6 @@ class Rule:
         """True: the batch trains in the current environment without being judged."""
         return False
 
-    def candidates(self, inf: EnvironmentInference, probs: torch.Tensor, envs: list[int]) -> list[int]:
-        """The environments tested, in order; printed: s_hat alone."""
-        return envs
-
     def mask_scope(self, inf: EnvironmentInference, env: int, alpha: torch.Tensor, usage: torch.Tensor,
                    scope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The latents the mask test reads, (switched off by the batch, switched on by the batch);
@@ -161,19 +157,6 @@ class Settling(Rule):
 
     def load_state_dict(self, d, device):
         self.since = int(d["settling_since"])
-
-
-class RankedFallback(Rule):
-    """When the current environment and s_hat fail, the other past environments are tried in the
-    order of q_psi(s|x) before a new one is allocated (extra decodes on failing batches only).
-    Fixes: a classifier drifted towards the newest slot sent a returning environment to a new slot.
-    Setting: none."""
-
-    name = "ranked_fallback"
-
-    def candidates(self, inf, probs, envs):
-        ranked = probs[: inf.n_envs].argsort(descending=True, stable=True).tolist()
-        return envs + [s for s in ranked if s not in envs]
 
 
 class Information(Rule):
@@ -311,7 +294,7 @@ class FreshLatentPenalty(Rule):
 
 RULES: dict[str, type[Rule]] = {rule.name: rule for rule in (
     Debouncing, FrozenWhilePending, Hysteresis, SmoothedAtypicality,
-    Settling, RankedFallback, Information, Probation, ErrorMargin, SettledMasks,
+    Settling, Information, Probation, ErrorMargin, SettledMasks,
     OthersLatentsOnly, LearntLatentsOnly, OwnCapacityRamp, FreshLatentPenalty,
 )}
 RULE_SETS: dict[str, tuple[str, ...]] = {
@@ -321,8 +304,8 @@ RULE_SETS: dict[str, tuple[str, ...]] = {
 # The rules that act on a batch's verdict and on nothing else: for them, a run in which leaving one
 # out changes no verdict is the run without it (`inference.counterfactuals`). Settling also reopens
 # its period when a mask changes, and that bookkeeping is not counted.
-VERDICT_RULES = ("debouncing", "settling", "ranked_fallback", "error_margin", "settled_masks")
-HOOKS = ("reading", "begin", "unjudged", "candidates", "mask_scope", "leaving", "switched",
+VERDICT_RULES = ("debouncing", "settling", "error_margin", "settled_masks")
+HOOKS = ("reading", "begin", "unjudged", "mask_scope", "leaving", "switched",
          "allocated", "records", "maskable", "mask_changed")
 
 

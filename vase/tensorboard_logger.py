@@ -26,9 +26,7 @@ def describe_decision(d) -> str:
     return (
         f"step {d.step}: {d.verdict} -> environment {d.env} (predicted {d.predicted}; "
         f"failed on: {', '.join(d.reasons) or '-'}; error {d.error:.1f} vs threshold {d.threshold:.1f}; "
-        f"mask or usage disagreed on latents {d.disagreeing or '-'}; "
-        f"tried: {'; '.join(f'{env}: ' + (', '.join(r) or 'passed') for env, r in d.tried) or '-'}"
-        f"{restored})"
+        f"mask or usage disagreed on latents {d.disagreeing or '-'}{restored})"
     )
 
 
