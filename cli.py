@@ -158,17 +158,37 @@ def _refuse_with_resume(ctx: click.Context) -> None:
 @main.command(name="eval")
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON instead of a table.")
+@click.option("--atypicality", "steps", default=None, metavar="STEPS",
+              help="Instead: alpha (eq. 4) of each environment's held-out batches under the encoders saved at "
+                   "these steps, e.g. 11000,24000 (docs/method.md).")
+@click.option("--batches", default=40, show_default=True, type=click.IntRange(min=2),
+              help="With --atypicality: batches per environment and step.")
 @_device_option()
-def evaluate(run_dir, as_json, device):
+def evaluate(run_dir, as_json, steps, batches, device):
     """Recompute probes and metrics from a run's checkpoints and print them."""
     from vase.evaluation import evaluate_run
     from vase.summary import summary_text
 
     try:
+        if steps is not None:
+            return _typicality(Path(run_dir), steps, batches, as_json, _resolve_device(device))
         results = evaluate_run(Path(run_dir), device=_resolve_device(device))
     except VaseError as e:
         _fail(e)
     click.echo(json.dumps(results, indent=2) if as_json else summary_text(results, Path(run_dir)))
+
+
+def _typicality(run_dir: Path, steps: str, batches: int, as_json: bool, device) -> None:
+    from vase.typicality import run_typicality, typicality_text
+
+    try:
+        wanted = [int(step) for step in comma_list(steps)]
+    except ValueError:
+        raise VaseError(f"--atypicality {steps!r}: give steps as integers separated by commas, e.g. 11000,24000")
+    rows = run_typicality(run_dir, wanted, batches, device=device)
+    mask = load_run_config(run_dir).mask
+    click.echo(json.dumps([row.as_dict() for row in rows], indent=2) if as_json
+               else typicality_text(rows, (mask.lambda_low, mask.lambda_high)))
 
 
 @main.command(name="table")

@@ -180,6 +180,27 @@ def test_eval_reproduces_the_training_probes_exactly(sprite_run):
 
 
 @pytest.mark.slow
+def test_eval_atypicality_reads_every_environment_under_each_saved_encoder(sprite_run):
+    run, result = sprite_run
+    assert result.exit_code == 0, result.output
+    out = invoke(["eval", str(run), "--atypicality", "10,40", "--batches", "3", "--json"])
+    assert out.exit_code == 0, out.output
+    rows = json.loads(out.stdout)
+    sequence = json.loads((run / "config.json").read_text())["data"]["sequence"]
+    assert [(r["step"], r["environment"]) for r in rows] == [(s, e) for s in (10, 40) for e in sequence]
+    for r in rows:
+        q = r["top_alpha_quantiles"]
+        assert 0 <= q["p10"] <= q["p50"] <= q["p90"]
+        # A latent's mean over 3 batches is at most the mean of their tops, which is at most p90 of 3.
+        assert len(r["mean_alpha"]) == 24 and max(r["mean_alpha"]) <= q["p90"] + 1e-6
+    text = invoke(["eval", str(run), "--atypicality", "40"])
+    assert text.exit_code == 0 and "lambda_high" in text.stdout
+    missing = CliRunner().invoke(main, ["eval", str(run), "--atypicality", "15"])
+    assert missing.exit_code != 0 and "no saved encoder of step 15" in missing.output
+    assert "Traceback" not in missing.output
+
+
+@pytest.mark.slow
 def test_eval_recomputes_the_factor_latents_of_a_run_that_lacks_them(sprite_run, tmp_path):
     run, result = sprite_run
     assert result.exit_code == 0, result.output

@@ -1,0 +1,100 @@
+"""How atypical (eq. 4) each environment's held-out batches are under a run's saved encoders.
+
+Eq. 6's mask test can only tell a new environment from a past one if some latent the past one
+relies on turns atypical on the new data (paper §3.3). `vase eval RUN --atypicality STEPS`
+measures that premise after the fact: for each saved encoder step and each environment of the
+sequence, alpha on random held-out batches of the training batch size, as eq. 5 would see them,
+one batch at a time. docs/method.md ("Why moving MNIST joined moving Fashion's slot") reads it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from vase.checkpoint import load_weights
+from vase.config import load_run_config
+from vase.data.environments import load_sequence
+from vase.errors import VaseError
+from vase.evaluation import ENCODER_DIR, FrozenEncoder, encoder_path
+from vase.masking import atypicality
+
+QUANTILES = (0.1, 0.5, 0.9)
+
+
+@dataclass
+class Typicality:
+    """alpha of `batches` held-out batches of one environment under one saved encoder."""
+
+    step: int
+    environment: str
+    alpha: torch.Tensor  # (batches, N): eq. 4 on each batch
+
+    def top(self) -> torch.Tensor:
+        """Each batch's highest alpha over the latents: what eq. 5 compares with lambda_high."""
+        return self.alpha.max(1).values
+
+    def top_quantiles(self) -> list[float]:
+        return torch.quantile(self.top(), torch.tensor(QUANTILES, dtype=self.alpha.dtype)).tolist()
+
+    def top_latent(self) -> int:
+        """The latent that holds the batch's highest alpha most often (the lowest index on ties)."""
+        return int(torch.bincount(self.alpha.argmax(1), minlength=self.alpha.shape[1]).argmax())
+
+    def as_dict(self) -> dict:
+        return {"step": self.step, "environment": self.environment, "top_alpha_quantiles": dict(
+            zip((f"p{round(q * 100)}" for q in QUANTILES), self.top_quantiles())),
+            "top_latent": self.top_latent(), "mean_alpha": self.alpha.mean(0).tolist()}
+
+
+@torch.no_grad()
+def batch_atypicality(encode, images_of, n_images: int, batches: int, batch_size: int,
+                      generator: torch.Generator) -> torch.Tensor:
+    """(batches, N) alpha of `batches` batches drawn at random (with `generator`) from n_images
+    images; `images_of(indices)` gives the images, `encode(x)` the posterior (mu, logvar)."""
+    rows = []
+    for _ in range(batches):
+        post = encode(images_of(torch.randint(n_images, (batch_size,), generator=generator)))
+        rows.append(atypicality(post.mu, post.logvar).cpu())
+    return torch.stack(rows)
+
+
+def run_typicality(run_dir: Path, steps: list[int], batches: int = 40, seed: int = 0,
+                   device: torch.device | str = "cpu") -> list[Typicality]:
+    """Typicality of every environment of the run's sequence under its encoder of each step."""
+    run_dir = Path(run_dir)
+    cfg = load_run_config(run_dir)
+    paths = [encoder_path(run_dir, step) for step in steps]
+    missing = [step for step, path in zip(steps, paths) if not path.exists()]
+    if missing:
+        kept = sorted(int(p.stem.split("-")[1]) for p in (run_dir / "checkpoints" / ENCODER_DIR).glob("step-*.pt"))
+        where = f"kept: {kept[0]}..{kept[-1]}, every {cfg.probe.every}" if kept else "it has none"
+        raise VaseError(f"{run_dir} has no saved encoder of step {', '.join(map(str, missing))} ({where})")
+    envs = list({env.name: env.to(device) for env in load_sequence(cfg.data, "test", progress=False)}.values())
+    encode = FrozenEncoder(cfg.model, device)
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for step, path in zip(steps, paths):
+        encode.load(load_weights(path))
+        for env in envs:
+            alpha = batch_atypicality(encode.posterior, env.batch, len(env), batches, cfg.train.batch_size, generator)
+            out.append(Typicality(step, env.name, alpha))
+    return out
+
+
+def typicality_text(rows: list[Typicality], lambdas: tuple[float, float]) -> str:
+    """One line per step and environment: the quantiles of the batches' highest alpha, and the
+    latents whose mean alpha is above lambda_low."""
+    n = len(rows[0].top()) if rows else 0
+    lines = [f"alpha (eq. 4) of {n} held-out batches per environment; eq. 5's band is "
+             f"lambda_low {lambdas[0]:g} .. lambda_high {lambdas[1]:g}",
+             f"  {'step':>7}  {'environment':16} top alpha p10 / p50 / p90  (mostly)  mean alpha above lambda_low"]
+    for row in rows:
+        q = row.top_quantiles()
+        mean = row.alpha.mean(0)
+        above = " ".join(f"z{i} {mean[i]:.2f}" for i in torch.argsort(mean, descending=True).tolist()
+                         if mean[i] > lambdas[0])
+        lines.append(f"  {row.step:>7}  {row.environment:16} {q[0]:6.2f} / {q[1]:.2f} / {q[2]:.2f}"
+                     f"  (z{row.top_latent()})  {above or '-'}")
+    return "\n".join(lines)
