@@ -62,6 +62,14 @@ def test_markdown_puts_the_papers_changes_beside_the_paper_sequence_only():
     assert "paper" not in sprites and "| SDA | 0 |" in sprites
 
 
+def test_a_snapshot_synced_only_at_allocations_is_a_row_of_its_own():
+    """tau (eq. 7) at least the run's length: the snapshot is re-synced only when a slot is allocated."""
+    runs = [dict(_results("SDA", 0), snapshot_every=100), dict(_results("SDA", 1), snapshot_every=599),
+            dict(_results("SDA", 0), snapshot_every=600), dict(_results("-", 0), snapshot_every=600)]  # 3 x 200 steps
+    labels = sorted((row["ablation"], tuple(row["seeds"])) for row in table1_rows(runs))
+    assert labels == [("-", (0,)), ("SDA", (0, 1)), ("SDA (snapshot synced at allocations only)", (0,))]
+
+
 def test_runs_of_another_capacity_ramp_are_another_table():
     """Same rows, sequence and length, another C(t) ramp: two experiments, each table naming its ramp."""
     runs = [dict(_results("SDA", 0), capacity_ramp_steps=7200), dict(_results("SDA", 1), capacity_ramp_steps=7200),

@@ -225,6 +225,7 @@ class Evaluator(Callback):
             "rules_without": cfg.inference.without,
             "capacity_form": cfg.objective.capacity_form,
             "capacity_ramp_steps": cfg.objective.capacity_ramp_steps,
+            "snapshot_every": cfg.dream.snapshot_every,
             "mode": cfg.objective.mode,
             "preset": cfg.preset,
             "sequence": cfg.data.sequence,

@@ -34,13 +34,16 @@ def _reading(result: dict) -> str:
 
 def row_label(result: dict) -> str:
     """A Table 1 row's name: the ablation, the rule set where inference runs with another than the
-    default (`inference.rules`), and the capacity term where results.json says it was the absolute
-    value rather than eq. 8's square (`objective.capacity_form`)."""
+    default (`inference.rules`), the capacity term where results.json says it was the absolute
+    value rather than eq. 8's square (`objective.capacity_form`), and a snapshot that tau never
+    re-syncs within the run (`dream.snapshot_every`)."""
     rules = result.get("rules", "vase")
     notes = [f"{rules} rules"] if "S" in result["ablation"] and rules != "vase" else []
     notes += [f"without {name}" for name in result.get("rules_without", [])]
     if result.get("mode") != "entangled" and result.get("capacity_form") == "absolute":
         notes.append("absolute capacity term")
+    if "D" in result["ablation"] and result.get("snapshot_every", 0) >= sum(result.get("steps_per_env") or [0]) > 0:
+        notes.append("snapshot synced at allocations only")  # tau (eq. 7) longer than the run
     return result["ablation"] + (f" ({', '.join(notes)})" if notes else "")
 
 
