@@ -184,11 +184,12 @@ def _typicality(run_dir: Path, steps: str, batches: int, as_json: bool, device) 
     try:
         wanted = [int(step) for step in comma_list(steps)]
     except ValueError:
-        raise VaseError(f"--atypicality {steps!r}: give steps as integers separated by commas, e.g. 11000,24000")
-    rows = run_typicality(run_dir, wanted, batches, device=device)
-    mask = load_run_config(run_dir).mask
+        raise VaseError(f"--atypicality {steps!r}: give steps as integers separated by commas, e.g. 11000,24000") \
+            from None
+    cfg = load_run_config(run_dir)
+    rows = run_typicality(run_dir, cfg, wanted, batches, device=device)
     click.echo(json.dumps([row.as_dict() for row in rows], indent=2) if as_json
-               else typicality_text(rows, (mask.lambda_low, mask.lambda_high)))
+               else typicality_text(rows, (cfg.mask.lambda_low, cfg.mask.lambda_high)))
 
 
 @main.command(name="table")

@@ -70,6 +70,12 @@ def encoder_path(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / ENCODER_DIR / f"step-{step:08d}.pt"
 
 
+def saved_encoders(run_dir: Path) -> dict[int, Path]:
+    """The encoders a run saved at its probe points, by step, in step order."""
+    paths = (Path(run_dir) / "checkpoints" / ENCODER_DIR).glob("step-*.pt")
+    return dict(sorted((int(path.stem.split("-")[1]), path) for path in paths))
+
+
 def has_ground_truth(env) -> bool:
     """Sprites know every factor (docs/usage.md, data), so MIG and DCI are meaningful on them."""
     return env.family.startswith("shapes")
@@ -110,7 +116,7 @@ def evaluate_run(run_dir: Path, progress: bool = False, device: torch.device | s
             "`vase eval` cannot recompute them: its results.json holds them")
     results_path = Path(run_dir) / "results.json"
     stored = json.loads(results_path.read_text()) if results_path.exists() else {}
-    files = sorted((Path(run_dir) / "checkpoints" / ENCODER_DIR).glob("step-*.pt"))
+    files = saved_encoders(run_dir)
     if not files:
         raise VaseError(f"{run_dir} has no saved encoders (checkpoints/{ENCODER_DIR}); was it trained with probes on?")
     envs = [env.to(device) for env in load_sequence(cfg.data, "test", progress=progress)]
@@ -118,8 +124,7 @@ def evaluate_run(run_dir: Path, progress: bool = False, device: torch.device | s
     suite = ProbeSuite(envs, cfg.probe)
     encode = FrozenEncoder(cfg.model, device)
     metrics = []
-    for path in files:
-        step = int(path.stem.split("-")[1])
+    for step, path in files.items():
         encode.load(load_weights(path))
         suite.evaluate(encode, step)
         if step in ends:
@@ -128,7 +133,7 @@ def evaluate_run(run_dir: Path, progress: bool = False, device: torch.device | s
             metrics.append(disentanglement_scores(envs, encode, stage, cfg.probe.seed))
     out = dict(stored) if stored else {
         "ablation": cfg.ablation(), "mode": cfg.objective.mode, "preset": cfg.preset,
-        "sequence": cfg.data.sequence, "steps": int(files[-1].stem.split("-")[1]), "wall_time_s": float("nan"),
+        "sequence": cfg.data.sequence, "steps": max(files), "wall_time_s": float("nan"),
         "environments_inferred": float("nan"), "environments_true": len(set(cfg.data.sequence)),
         "inferred_vs_true": [],
     }

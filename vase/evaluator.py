@@ -19,12 +19,12 @@ from vase.checkpoint import save_weights
 from vase.config import Config
 from vase.device import describe
 from vase.evaluation import (
-    ENCODER_DIR,
     FrozenEncoder,
     disentanglement_scores,
     encoder_path,
     factor_latents,
     held_out_images,
+    saved_encoders,
 )
 from vase.learner import Learner
 from vase.masking import atypicality, information
@@ -83,8 +83,8 @@ class Evaluator(Callback):
     # -- hooks -------------------------------------------------------------------------------------------
     def on_resume(self, trainer, step: int) -> None:
         # Encoders of probe points after the checkpoint belong to work the resume throws away.
-        for path in (trainer.run_dir / "checkpoints" / ENCODER_DIR).glob("step-*.pt"):
-            if int(path.stem.split("-")[1]) > step:
+        for saved, path in saved_encoders(trainer.run_dir).items():
+            if saved > step:
                 path.unlink()
 
     def on_train_start(self, trainer, start: int) -> None:

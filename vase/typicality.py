@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 
 from vase.checkpoint import load_weights
-from vase.config import load_run_config
+from vase.config import Config
 from vase.data.environments import load_sequence
 from vase.errors import VaseError
-from vase.evaluation import ENCODER_DIR, FrozenEncoder, encoder_path
+from vase.evaluation import FrozenEncoder, saved_encoders
 from vase.masking import atypicality
 
 QUANTILES = (0.1, 0.5, 0.9)
@@ -60,23 +60,21 @@ def batch_atypicality(encode, images_of, n_images: int, batches: int, batch_size
     return torch.stack(rows)
 
 
-def run_typicality(run_dir: Path, steps: list[int], batches: int = 40, seed: int = 0,
+def run_typicality(run_dir: Path, cfg: Config, steps: list[int], batches: int = 40, seed: int = 0,
                    device: torch.device | str = "cpu") -> list[Typicality]:
-    """Typicality of every environment of the run's sequence under its encoder of each step."""
-    run_dir = Path(run_dir)
-    cfg = load_run_config(run_dir)
-    paths = [encoder_path(run_dir, step) for step in steps]
-    missing = [step for step, path in zip(steps, paths) if not path.exists()]
+    """Typicality of every environment of the run's sequence (config `cfg`) under its encoder of
+    each step."""
+    kept = saved_encoders(run_dir)
+    missing = [step for step in steps if step not in kept]
     if missing:
-        kept = sorted(int(p.stem.split("-")[1]) for p in (run_dir / "checkpoints" / ENCODER_DIR).glob("step-*.pt"))
-        where = f"kept: {kept[0]}..{kept[-1]}, every {cfg.probe.every}" if kept else "it has none"
+        where = f"kept: {min(kept)}..{max(kept)}, every {cfg.probe.every}" if kept else "it has none"
         raise VaseError(f"{run_dir} has no saved encoder of step {', '.join(map(str, missing))} ({where})")
     envs = list({env.name: env.to(device) for env in load_sequence(cfg.data, "test", progress=False)}.values())
     encode = FrozenEncoder(cfg.model, device)
     generator = torch.Generator().manual_seed(seed)
     out = []
-    for step, path in zip(steps, paths):
-        encode.load(load_weights(path))
+    for step in steps:
+        encode.load(load_weights(kept[step]))
         for env in envs:
             alpha = batch_atypicality(encode.posterior, env.batch, len(env), batches, cfg.train.batch_size, generator)
             out.append(Typicality(step, env.name, alpha))
