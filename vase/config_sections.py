@@ -194,4 +194,7 @@ class ProbeConfig:
     # paper's reading: z drawn from the masked posterior (eq. 2) under the slot the classifier
     # picks, masked latents as prior noise.
     reading: str = "mean"
+    # With D on: eq. 7's distances on a past environment's real data against those on its dreams,
+    # over each probe interval (vase.dream_coverage, docs/method.md). Training is unchanged.
+    dream_coverage: bool = True
 

@@ -9,7 +9,7 @@ checkpoint and assembles the run's results. `vase inspect` and the TensorBoard f
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +18,8 @@ from vase.callbacks import Callback, StepEnd
 from vase.checkpoint import save_weights
 from vase.config import Config
 from vase.device import describe
+from vase.dream_coverage import coverage
+from vase.dreaming import Snapshot
 from vase.evaluation import (
     FrozenEncoder,
     disentanglement_scores,
@@ -50,6 +52,9 @@ class RunRecord:
     recon_matrix: list[list[float]]  # [i][j]: held-out error of true env i after true env j
     disentanglement: list[dict]  # MIG/DCI of the sprite environments at each boundary
     wall_time: float
+    # vase.dream_coverage at every probe point, from the model at reference_step to the model now
+    dream_coverage: list[dict] = field(default_factory=list)
+    reference_step: int = 0
 
     @classmethod
     def empty(cls) -> "RunRecord":
@@ -69,16 +74,27 @@ class Evaluator(Callback):
         self.record = RunRecord.empty()
         self.held_out = [held_out_images(env) for env in test_envs]
         self._slot_tables: tuple | None = None  # (step, slots, latent use, cross-domain errors)
+        # The model at the last probe point, for vase.dream_coverage: what eq. 7 held since then.
+        covered = cfg.probe.dream_coverage and cfg.dream.enabled
+        self.reference = Snapshot(learner.model) if covered else None
         self._began = time.perf_counter()
 
     # -- state -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"record": vars(self.record).copy(), "probes": self.probes.state_dict() if self.probes else {}}
+        state = {"record": vars(self.record).copy(), "probes": self.probes.state_dict() if self.probes else {}}
+        if self.reference:
+            state["coverage_reference"] = self.reference.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.record = RunRecord(**state["record"])
         if self.probes:
             self.probes.load_state_dict(state["probes"])
+        if self.reference and "coverage_reference" in state:
+            self.reference.load_state_dict(state["coverage_reference"])
+        elif self.reference:  # a checkpoint written without the reading starts its window here
+            self.reference.sync(self.learner.model)
+            self.record.reference_step = self.learner.step
 
     # -- hooks -------------------------------------------------------------------------------------------
     def on_resume(self, trainer, step: int) -> None:
@@ -101,8 +117,11 @@ class Evaluator(Callback):
         if step.logged:
             self.record.alpha_steps.append(step.done)
             self.record.alpha.append(step.per_latent[1])
-        if self.probes and (step.every(self.cfg.probe.every) or step.boundary):
-            self._probe(trainer, step.done, step.true_env if step.boundary else None)
+        if step.every(self.cfg.probe.every) or step.boundary:
+            if self.probes:
+                self._probe(trainer, step.done, step.true_env if step.boundary else None)
+            if self.reference:
+                self._cover(step.done)
 
     def on_boundary(self, trainer, step: StepEnd) -> None:
         self.record.recon_matrix.append(self.heldout_errors(len(self.envs) - 1))
@@ -124,6 +143,26 @@ class Evaluator(Callback):
         self.probes.evaluate(encode, step)
         if finished_env is not None:
             self.probes.mark_boundary(finished_env, step)
+
+    def _cover(self, step: int) -> None:
+        """Eq. 7's coverage of every environment whose stage ended before the window began and
+        whose slot is dreamt (vase.dream_coverage), then the window starts again here."""
+        since = self.record.reference_step
+        dreamt = set(self.learner.inference.dream_environments())
+        generator = torch.Generator(device=self.learner.device).manual_seed(self.cfg.probe.seed + step)
+        for i, row in enumerate(self.inferred_environments()):
+            slot = row["inferred_env"]
+            if self.stream.ends[i] > since or slot not in dreamt:
+                continue
+            c = coverage(self.learner.model, self.reference, self.held_out[i], slot, self.learner.mask(slot), generator)
+            self.record.dream_coverage.append(
+                {"step": step, "since": since, "true_env": row["true_env"], "slot": slot, **c.as_dict()})
+        self.reference.sync(self.learner.model)
+        self.record.reference_step = step
+
+    def covered_at(self, step: int) -> list[dict]:
+        """The dream-coverage readings taken at `step` (none where no window ended there)."""
+        return [row for row in self.record.dream_coverage if row["step"] == step]
 
     def probed_at(self, step: int) -> dict[str, float]:
         """The probe values of the evaluation at `step`, or none if the probes did not run there."""
@@ -248,6 +287,7 @@ class Evaluator(Callback):
             "cross_domain_errors": cross,
             "latent_use": use,
             "disentanglement": self.record.disentanglement,
+            "dream_coverage": self.record.dream_coverage,
         }
         if self.probes:
             out["probes"] = self.probes.results()

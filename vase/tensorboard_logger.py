@@ -12,6 +12,7 @@ import shutil
 from torch.utils.tensorboard import SummaryWriter
 
 from vase.callbacks import Callback, StepEnd
+from vase.dream_coverage import COVERAGE_TERMS
 from vase.figures import run_figures
 from vase.visualize import mask_image, reconstruction_grid, traversal_grid
 
@@ -55,6 +56,9 @@ class TensorBoardLogger(Callback):
             self._reconstructions(trainer, step.done, step.true_env)
         for name, value in trainer.evaluator.probed_at(step.done).items():
             self.writer.add_scalar(f"probe/{name}", value, step.done)
+        for row in trainer.evaluator.covered_at(step.done):
+            for term in COVERAGE_TERMS:
+                self.writer.add_scalar(f"dream_coverage/{row['true_env']}/{term}", row[term], step.done)
 
     def on_boundary(self, trainer, step: StepEnd) -> None:
         run, learner, t = trainer.evaluator, trainer.learner, step.done
