@@ -127,8 +127,8 @@ class StopAt:
             raise KeyboardInterrupt
 
 
-def run(path, root, stop_at=None, resume=False):
-    cfg = build_config("cpu", SETTINGS + [f"data.root={root}"], "D")
+def run(path, root, stop_at=None, resume=False, extra=(), key="dream_coverage"):
+    cfg = build_config("cpu", SETTINGS + [f"data.root={root}", *extra], "D")
     trainer = Trainer(cfg, path, progress=False, callbacks=[StopAt(stop_at)] if stop_at else [])
     prepare_run_dir(path, cfg, resume=resume)
     if stop_at:
@@ -136,7 +136,10 @@ def run(path, root, stop_at=None, resume=False):
             trainer.train()
     else:
         trainer.train(resume=resume)
-    return json.loads((path / "results.json").read_text())["dream_coverage"] if not stop_at else None
+    if stop_at:
+        return None
+    results = json.loads((path / "results.json").read_text())
+    return results[key] if key else results
 
 
 def test_a_run_reads_the_coverage_of_finished_environments_and_resumes_it_exactly(tmp_path):
@@ -147,3 +150,12 @@ def test_a_run_reads_the_coverage_of_finished_environments_and_resumes_it_exactl
     assert all(straight[0][t] > 0 for t in COVERAGE_TERMS)
     run(tmp_path / "resumed", root, stop_at=7)
     assert run(tmp_path / "resumed", root, resume=True) == straight
+
+
+def test_the_reading_leaves_training_as_it_was(tmp_path):
+    root = tmp_path / "data"
+    on = run(tmp_path / "on", root, key=None)
+    off = run(tmp_path / "off", root, extra=["probe.dream_coverage=false"], key=None)
+    assert on.pop("dream_coverage") and off.pop("dream_coverage") == []
+    on.pop("wall_time_s"), off.pop("wall_time_s")
+    assert on == off
