@@ -159,3 +159,15 @@ def test_the_reading_leaves_training_as_it_was(tmp_path):
     assert on.pop("dream_coverage") and off.pop("dream_coverage") == []
     on.pop("wall_time_s"), off.pop("wall_time_s")
     assert on == off
+
+
+def test_the_summary_averages_each_environments_intervals():
+    from vase.summary import coverage_lines
+
+    rows = [{"true_env": "a", "encoder_real": 1.0, "encoder_dream": 0.5, "decoder_real": 30.0, "decoder_dream": 10.0},
+            {"true_env": "b", "encoder_real": 0.0, "encoder_dream": 0.0, "decoder_real": 2.0, "decoder_dream": 2.0},
+            {"true_env": "a", "encoder_real": 3.0, "encoder_dream": 0.5, "decoder_real": 10.0, "decoder_dream": 2.0}]
+    lines = coverage_lines(rows)
+    assert lines[1].split() == "a decoder 20.00 vs 6.00, encoder 2.000 vs 0.500 (2 intervals)".split()
+    assert lines[2].split()[0] == "b" and len(lines) == 3
+    assert coverage_lines([]) == []

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from vase.dream_coverage import COVERAGE_TERMS
+
 
 def _duration(seconds: float) -> str:
     m, s = divmod(int(round(seconds)), 60)
@@ -83,6 +85,7 @@ def summary_text(results: dict, run_dir: Path) -> str:
                 f"  warning: no latent carries information for {', '.join(empty)} at the end (posterior "
                 "collapse: the slot's KL is shifted means, not information)"
             )
+    lines.extend(coverage_lines(results.get("dream_coverage") or []))
     probes = results.get("probes")
     if probes:
         from vase.metrics.continual import format_table1_row, table1_header
@@ -103,6 +106,23 @@ def summary_text(results: dict, run_dir: Path) -> str:
     lines.append(f"results: {run_dir / 'results.json'}")
     lines.append(f"TensorBoard: tensorboard --logdir {run_dir / 'tb'}")
     return "\n".join(lines)
+
+
+def coverage_lines(rows: list[dict]) -> list[str]:
+    """Eq. 7's coverage (`vase.dream_coverage`) per past environment: the drift per probe interval
+    on its real held-out images against the drift on dreams of its slot, averaged over the intervals
+    after its stage. Real far above dreams: the dreams do not stand for the data eq. 7 protects."""
+    if not rows:
+        return []
+    lines = ["eq. 7's coverage, mean drift per probe interval after each stage, on real held-out images "
+             "against dreams of its slot (decoder: Bernoulli KL, nats; encoder: W2):"]
+    for name in dict.fromkeys(row["true_env"] for row in rows):
+        mine = [row for row in rows if row["true_env"] == name]
+        mean = {term: sum(row[term] for row in mine) / len(mine) for term in COVERAGE_TERMS}
+        lines.append(
+            f"  {name:<18} decoder {mean['decoder_real']:.2f} vs {mean['decoder_dream']:.2f}, "
+            f"encoder {mean['encoder_real']:.3f} vs {mean['encoder_dream']:.3f} ({len(mine)} intervals)")
+    return lines
 
 
 def latent_union(use: list[dict], field: str) -> list[int] | None:
