@@ -123,7 +123,7 @@ def test_a_change_of_the_current_mask_reopens_the_settling_period():
     decide(inf, slots, 0, 100.0)
     for t in range(1, 6):
         decide(inf, slots, t, 100.0)
-    inf.rule("settling").mask_changed(inf, 0, 6)  # the bookkeeping calls this when a^0 changes in env 0
+    inf.rule("resettling").mask_changed(inf, 0, 6)  # the bookkeeping calls this when a^0 changes in env 0
     assert not slots[0].recorded  # L_0 is learnt again under the new mask
     assert decide(inf, slots, 7, 10_000.0).verdict == "same"  # unjudged while it settles
     assert slots[0].error == 10_000.0
@@ -135,8 +135,8 @@ def test_resettling_a_past_environment_changes_nothing():
     inf, slots = setup(patience=1, cooldown=5)
     decide(inf, slots, 0, 100.0)
     decide(inf, slots, 10, {0: 400.0, 1: 100.0})  # env 1 is current
-    inf.rule("settling").mask_changed(inf, 0, 20)
-    assert inf.rule("settling").since == 10 and slots[0].recorded
+    inf.rule("resettling").mask_changed(inf, 0, 20)
+    assert inf.rule("resettling").since < 0 and inf.rule("settling").since == 10 and slots[0].recorded
 
 
 def _switch_back_into_env_0(cooldown):

@@ -71,6 +71,17 @@ def verdict_of(error, step=10, first=100.0):
     return run
 
 
+def verdict_after_a_mask_change(step):
+    """The verdict on a bad batch at `step` after env 0's mask changed at step 20 (the bookkeeping's call)."""
+    def run(names):
+        inf = with_rules(names)
+        decide(inf, 0, 100.0)
+        for hook in inf.hooks["mask_changed"]:
+            hook(inf, 0, 20)
+        return decide(inf, step, 1000.0).verdict
+    return run
+
+
 def error_after_a_batch(error):
     def run(names):
         inf = with_rules(names)
@@ -155,6 +166,7 @@ CASES = {
     "hysteresis": (mask_after(0.7, 0.0), mask_after(2.0, 0.0), ()),
     "smoothed_atypicality": (mask_after(3.0, 1.0, mask_ema=0.9), mask_after(0.0, 1.0, mask_ema=0.9), ()),
     "settling": (verdict_of(1000.0, step=1), verdict_of(1000.0, step=10), ()),
+    "resettling": (verdict_after_a_mask_change(21), verdict_after_a_mask_change(40), ()),
     "information": (reading(0.5), reading(0.0), ()),
     "probation": (usage_of_env_0_left_after(3), usage_of_env_0_left_after(10), ()),
     "error_margin": (verdict_of(3.0, step=1, first=1.0), verdict_of(40.0, step=1, first=1.0), ()),
