@@ -162,8 +162,8 @@ class Resettling(_Cooldown):
     """A change of the current slot's own mask reopens the unjudged period, with L_s re-learnt
     under the new mask. No failure measured: L_s was measured under the old mask. On the long sprite
     run, shapes B's slot masked z1 at step 23,300, and moving shapes B arrived at 24,000 while the
-    period was open: it trained in that slot unjudged and stayed (docs/method.md, the study).
-    Setting: `inference.cooldown`."""
+    period was open: it trained in that slot unjudged and stayed; without the rule it got a slot of
+    its own (docs/method.md, the study). Setting: `inference.cooldown`."""
 
     name = "resettling"
     settings = ("inference.cooldown",)
