@@ -134,10 +134,8 @@ def run(path, root, stop_at=None, resume=False, extra=(), key="dream_coverage"):
     if stop_at:
         with pytest.raises(KeyboardInterrupt):
             trainer.train()
-    else:
-        trainer.train(resume=resume)
-    if stop_at:
         return None
+    trainer.train(resume=resume)
     results = json.loads((path / "results.json").read_text())
     return results[key] if key else results
 

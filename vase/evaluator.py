@@ -161,8 +161,13 @@ class Evaluator(Callback):
         self.record.reference_step = step
 
     def covered_at(self, step: int) -> list[dict]:
-        """The dream-coverage readings taken at `step` (none where no window ended there)."""
-        return [row for row in self.record.dream_coverage if row["step"] == step]
+        """The dream-coverage readings taken at `step` (none where no window ended there). Called
+        every step: readings are appended in step order, so only the tail is read."""
+        rows = self.record.dream_coverage
+        first = len(rows)
+        while first and rows[first - 1]["step"] == step:
+            first -= 1
+        return rows[first:]
 
     def probed_at(self, step: int) -> dict[str, float]:
         """The probe values of the evaluation at `step`, or none if the probes did not run there."""

@@ -132,6 +132,8 @@ class SmoothedAtypicality(Rule):
 class _Cooldown(Rule):
     """Batches train unjudged for `inference.cooldown` steps after an event of the subclass's."""
 
+    settings = ("inference.cooldown",)
+
     def __init__(self):
         self.since = -(10**9)  # the step of the last event
 
@@ -152,7 +154,6 @@ class Settling(_Cooldown):
     (slots 1-6 at steps 3509, 3519, ..., 3559 with `paper`). Setting: `inference.cooldown`."""
 
     name = "settling"
-    settings = ("inference.cooldown",)
 
     def allocated(self, inf, env, step):
         self.since = step
@@ -166,7 +167,6 @@ class Resettling(_Cooldown):
     its own (docs/method.md, the study). Setting: `inference.cooldown`."""
 
     name = "resettling"
-    settings = ("inference.cooldown",)
 
     def mask_changed(self, inf, env, step):
         if env == inf.current:  # L_s was measured under the old mask, and the decoder input changed
