@@ -306,6 +306,7 @@ def grid(rows, modes, seeds, preset, sequence, steps, overrides, root, threads, 
     Runs go in parallel on this machine, or on a Ray cluster with --ray. Run the same command
     again to resume: finished runs are kept and interrupted ones continue from their checkpoints.
     """
+    from vase.device import mps_running
     from vase.grid import PAPER_SEQUENCE, GridSpec, dry_run_lines, parse_modes, parse_rows, parse_seeds, run_grid
     from vase.grid_backends import backend_for
 
@@ -320,6 +321,9 @@ def grid(rows, modes, seeds, preset, sequence, steps, overrides, root, threads, 
             for line in dry_run_lines(spec):
                 click.echo(line)
             return
+        if gpus and runs_per_gpu > 1 and not mps_running():
+            click.echo(f"note: {runs_per_gpu} runs will share each GPU without NVIDIA MPS, time-sliced one process "
+                       "at a time; `nvidia-cuda-mps-control -d` lets their kernels run side by side (docs/devices.md)")
         previous = signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's SIGTERM stops the runs as Ctrl-C does
         try:
             report = run_grid(spec, backend, echo=click.echo, progress=not no_progress)

@@ -1,12 +1,13 @@
 """`vase bench --device cuda` (or mps): the training step on an accelerator, and GPU sharing.
 
 Every figure is a ratio taken side by side in one run (docs/devices.md):
-- per preset, the plain step ("-"), the VASE step (SDA, 2 past environments) in fp32, bf16
-  autocast and torch.compile, and a straightforward PyTorch step of the same networks, timed in
+- per preset, the plain step ("-") and the VASE step (SDA, 2 past environments), each with CUDA
+  graphs (the default) and eager, the SDA step in bf16 autocast and torch.compile, and a
+  straightforward PyTorch step of the same networks, timed in
   interleaved rounds; each round runs a block of steps between two synchronisations, so the
   figure is the step's throughput, not the launch latency of one step;
-- whether bf16 and compile give the same results: the loss after the same steps from the same
-  weights and batches, against fp32;
+- whether CUDA graphs, bf16 and compile give the same results: the loss after the same steps from
+  the same weights and batches, against fp32 eager;
 - sharing: N processes training the paper preset's SDA step on one GPU, against one alone.
 """
 from __future__ import annotations
@@ -23,13 +24,14 @@ import torch
 from vase.bench_reference import ReferenceStep
 from vase.bench_steps import SYNTHETIC_IMAGES, SyntheticEnvironment, prepare_environments
 from vase.config import build_config
-from vase.device import describe
+from vase.device import describe, mps_running
 from vase.learner import Learner
 from vase.stream import Stream
 
 ROUNDS = 5
 WARMUP = 10
 AGREEMENT_STEPS = 30
+EAGER = ("train.cuda_graphs=false",)
 
 
 def _learner(preset: str, ablation: str, device: torch.device, overrides: tuple[str, ...] = ()):
@@ -63,7 +65,9 @@ def _variants(preset: str, device: torch.device, compile_: bool) -> dict[str, Ca
     out = {
         "reference": _reference(preset, device),
         "plain": _stepper(_learner(preset, "-", device), device),
+        "plain_eager": _stepper(_learner(preset, "-", device, EAGER), device),
         "sda": _stepper(_learner(preset, "SDA", device), device),
+        "sda_eager": _stepper(_learner(preset, "SDA", device, EAGER), device),
         "sda_bf16": _stepper(_learner(preset, "SDA", device, ("train.precision=bf16",)), device),
     }
     if compile_:
@@ -104,7 +108,7 @@ def agreement(preset: str, device: torch.device, overrides: tuple[str, ...]) -> 
     """Relative difference of the total loss after AGREEMENT_STEPS SDA steps with `overrides` against
     fp32 eager, from the same weights and batches."""
     losses = []
-    for extra in ((), overrides):
+    for extra in (EAGER, overrides):
         step = _stepper(_learner(preset, "SDA", device, extra), device)
         for _ in range(AGREEMENT_STEPS):
             out = step()
@@ -158,7 +162,8 @@ def run_device_bench(device: torch.device, presets: list[str], block: int, json_
         batch = build_config(preset).train.batch_size
         rows = {k: {"ms_per_step": round(1e3 * s, 3), "steps_per_s": round(1 / s, 1), "img_per_s": round(batch / s),
                     "vs_reference": round(seconds["reference"] / s, 2)} for k, s in seconds.items()}
-        checks = {"sda_bf16": agreement(preset, device, ("train.precision=bf16",))}
+        checks = {"sda": agreement(preset, device, ()),
+                  "sda_bf16": agreement(preset, device, ("train.precision=bf16",))}
         if "sda_compile" in seconds:
             checks["sda_compile"] = agreement(preset, device, ("train.compile=true",))
         report["presets"][preset] = {"steps": rows, "loss_relative_difference_vs_fp32": checks}
@@ -168,17 +173,18 @@ def run_device_bench(device: torch.device, presets: list[str], block: int, json_
             echo(f"  {k:<12} {r['ms_per_step']:>9.2f} {r['steps_per_s']:>9.1f} {r['img_per_s']:>9} "
                  f"{r['vs_reference']:>12.2f}")
         for k, v in checks.items():
-            echo(f"  {k}: total loss after {AGREEMENT_STEPS} steps differs from fp32 eager by {100 * v:.3f} %")
+            echo(f"  {k}: total loss after {AGREEMENT_STEPS} steps differs from fp32 eager by {100 * v:.4f} %")
     if share_runs > 1 and device.type == "cuda":
         alone = sharing("paper", device, 1, share_seconds)
         shared = sharing("paper", device, share_runs, share_seconds)
         efficiency = shared["total_steps_per_s"] / (share_runs * alone["total_steps_per_s"])
-        report["sharing"] = {"alone": alone, "shared": shared,
+        report["sharing"] = {"alone": alone, "shared": shared, "mps": mps_running(),
                              "total_vs_alone": round(shared["total_steps_per_s"] / alone["total_steps_per_s"], 2),
                              "per_run_vs_alone": round(efficiency, 3)}
         echo(f"\nsharing one GPU (paper preset, SDA): alone {alone['total_steps_per_s']} steps/s; "
              f"{share_runs} runs {shared['total_steps_per_s']} steps/s in total "
-             f"(x{report['sharing']['total_vs_alone']} of one alone; each run at {100 * efficiency:.0f} % of alone)")
+             f"(x{report['sharing']['total_vs_alone']} of one alone; each run at {100 * efficiency:.0f} % of alone; "
+             f"MPS {'on' if report['sharing']['mps'] else 'off'})")
     if json_out:
         Path(json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(json_out).write_text(json.dumps(report, indent=2))

@@ -92,3 +92,14 @@ def precision_context(device: torch.device, precision: str):
     if precision == "fp32":
         return contextlib.nullcontext
     return functools.partial(torch.autocast, device_type=device.type, dtype=torch.bfloat16)
+
+
+MPS_DEFAULT_PIPE = "/tmp/nvidia-mps"
+
+
+def mps_running(environ=os.environ) -> bool:
+    """Whether NVIDIA's Multi-Process Service answers here (its control pipe exists). Runs sharing a
+    GPU without it are time-sliced one process at a time; with it their kernels run side by side
+    (docs/devices.md)."""
+    pipe = environ.get("CUDA_MPS_PIPE_DIRECTORY", MPS_DEFAULT_PIPE)
+    return os.path.exists(os.path.join(pipe, "control"))

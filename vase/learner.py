@@ -19,6 +19,7 @@ import torch
 
 from vase.config import Config
 from vase.conv_paths import place, use_implementation
+from vase.cuda_graphs import GraphedPasses, usable
 from vase.device import precision_context
 from vase.dreaming import Dreaming, Dreams, NoDreams, Snapshot, decoder_proximity, encoder_proximity
 from vase.errors import NumericalError
@@ -100,6 +101,10 @@ class Learner:
         if cfg.train.compile:  # after the snapshot's copy, which must keep the plain forward
             for net in (self.model.encoder, self.model.decoder):
                 net.forward = torch.compile(net.forward)
+        # The networks' training passes: CUDA graph replays on CUDA (vase.cuda_graphs), else the networks.
+        graphed = cfg.train.cuda_graphs and usable(device, cfg.train.precision, cfg.train.compile)
+        self.graphed = [GraphedPasses(n) for n in (self.model.encoder, self.model.decoder)] if graphed else []
+        self.encoder_pass, self.decoder_pass = self.graphed or (self.model.encoder, self.model.decoder)
         # Per environment slot after the first: (step allocated, KL carried then), for
         # objective.new_env_ramp_steps.
         self.capacity_starts: dict[int, tuple[int, float]] = {}
@@ -124,7 +129,7 @@ class Learner:
         if dreams is not None:
             z, envs = torch.cat([z, dreams.z]), torch.cat([envs, dreams.env])
         with self.autocast():
-            logits = self.model.decoder(z, envs).float()
+            logits = self.decoder_pass(z, envs).float()
         return logits[:batch], logits[batch:]
 
     def fresh_shift(self, real: Posterior, mask: torch.Tensor, maskable: torch.Tensor, env: int):
@@ -142,6 +147,8 @@ class Learner:
         """One step of eq. 8: dream, encode, infer the environment, the MDL term on the batch (eq. 3),
         the dreaming term on the dreams (eq. 7), update, and the bookkeeping of eq. 5-6."""
         t = self.step
+        for passes in self.graphed:
+            passes.new_step()
         dreams = self.dream()  # D: x' ~ p_theta'(x | z, s') of past environments s'
         enc = self.encode(x, dreams)  # one encoder pass over [x; x'], and eq. 4 on x
         decision = self.infer_environment(enc, dreams)  # S: eq. 6
@@ -167,7 +174,7 @@ class Learner:
         batch = x.shape[0]
         inputs = x if dreams is None else torch.cat([x, dreams.x])
         with self.autocast():
-            posterior = Posterior(*(p.float() for p in self.model.encoder(inputs)))
+            posterior = Posterior(*(p.float() for p in self.encoder_pass(inputs)))
         real = Posterior(*(p[:batch] for p in posterior))
         with torch.no_grad():
             alpha = atypicality(real.mu, real.logvar)  # eq. 4
@@ -280,7 +287,7 @@ class Learner:
 
     def _gradient_norm(self) -> torch.Tensor:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
 
     def _check_finite(self, losses: dict[str, float], gradient_norm: float) -> None:
         """Stop before the update on a NaN or Inf, naming the term (the loss first, then the gradient)."""

@@ -1,0 +1,65 @@
+"""CUDA graphs of the networks' training passes (`train.cuda_graphs`, docs/devices.md).
+
+The paper preset's step is bound by kernel launches on a GPU, not by arithmetic: the SDA step
+launches ~450 kernels for ~2 ms of GPU work. The encoder's and the decoder's forward and backward
+passes are the largest runs of launches with no decision of eq. 6 inside them, so each is captured
+once per input shape (`torch.cuda.make_graphed_callables`) and replayed as one launch.
+
+A replay writes its outputs, and the activations its backward reads, into buffers of the graph.
+Two rules keep that sound:
+- a network's graph is replayed at most once per training step (`new_step`): a second pass in the
+  same step (eq. 6 decoding a second candidate environment) runs eagerly, so the pass whose output
+  the loss uses always finds its own activations;
+- only training passes with gradient at a captured shape replay; evaluation passes, the no-grad
+  passes and other shapes run eagerly.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+class GraphedPasses:
+    """A network's training pass: a CUDA graph replay where the rules above allow, else its eager
+    forward. The module itself is left as it was (its forward, deep copies of it)."""
+
+    def __init__(self, module: nn.Module, warmup: int = 3):
+        self.module = module
+        self.warmup = warmup
+        self.graphs: dict[tuple, Callable] = {}
+        self.replayed = False  # in this step
+
+    def new_step(self) -> None:
+        self.replayed = False
+
+    def _key(self, args: tuple[torch.Tensor, ...]) -> tuple:
+        return tuple((tuple(a.shape), a.dtype, a.requires_grad) for a in args)
+
+    def _capture(self, args: tuple[torch.Tensor, ...]) -> Callable:
+        """Capture forward and backward at these inputs' shapes (warm-up passes on a side stream;
+        they compute gradients with torch.autograd.grad, so no parameter's .grad changes)."""
+        samples = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
+        try:
+            torch.cuda.make_graphed_callables(self.module, samples, num_warmup_iters=self.warmup)
+            return self.module.forward  # the replay, which make_graphed_callables installs as forward
+        finally:
+            vars(self.module).pop("forward", None)  # the module keeps its own forward
+
+    def __call__(self, *args: torch.Tensor):
+        if self.replayed or not (torch.is_grad_enabled() and self.module.training):
+            return self.module(*args)
+        key = self._key(args)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(args)
+        self.replayed = True
+        return self.graphs[key](*args)
+
+
+def usable(device: torch.device, precision: str, compiled: bool) -> bool:
+    """CUDA graphs apply on CUDA, in fp32 eager (autocast's cache and torch.compile's own graphs do
+    not mix with them)."""
+    return device.type == "cuda" and precision == "fp32" and not compiled
+
+
