@@ -182,3 +182,12 @@ def _saved(state):
     torch.save(state, buf)
     buf.seek(0)
     return buf
+
+
+def test_mps_is_seen_by_its_control_pipe(tmp_path):
+    from vase.device import mps_running
+
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}
+    assert not mps_running(env)
+    (tmp_path / "control").touch()
+    assert mps_running(env)
