@@ -9,8 +9,10 @@ import torch
 from torch import nn
 
 from vase.config import build_config
-from vase.cuda_graphs import GraphedPasses, usable
+from vase.cuda_graphs import GraphedNoGrad, GraphedPasses, usable
+from vase.dreaming import Snapshot
 from vase.learner import Learner
+from vase.networks import VAE
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -59,6 +61,7 @@ def test_graphs_only_on_cuda_in_fp32_eager():
     assert not usable(torch.device("cuda"), "fp32", compiled=True)
     learner = Learner(build_config("cpu", [], "SDA"))
     assert learner.graphed == [] and learner.encoder_pass is learner.model.encoder
+    assert learner.snapshot.passes == learner.snapshot.imagine
 
 
 TINY = ["model.channels=8,8,8,8", "model.hidden=32", "model.latents=6", "model.k_max=4", "dream.batch_size=8",
@@ -107,3 +110,21 @@ def test_sda_training_with_graphs_matches_eager_on_the_gpu():
     for a, b in zip(*runs):
         assert a.decision.env == b.decision.env and a.decision.verdict == b.decision.verdict
         assert a.losses["total"] == pytest.approx(b.losses["total"], rel=1e-4)
+
+
+@cuda
+@pytest.mark.cuda
+def test_replayed_dreams_are_the_eager_dreams_after_a_sync():
+    cfg = build_config("cpu", TINY, "SDA")
+    torch.manual_seed(0)
+    model, other = VAE(cfg.model).cuda(), VAE(cfg.model).cuda()
+    snapshot = Snapshot(model)
+    graphed = GraphedNoGrad(snapshot.imagine)
+    for source in (model, other, model):  # re-synced weights are read in place by the replay
+        snapshot.sync(source)
+        z, env = torch.randn(8, cfg.model.latents, device="cuda"), torch.randint(3, (8,), device="cuda")
+        want = snapshot.imagine(z, env)
+        got = graphed(z, env)
+        for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert len(graphed.graphs) == 1

@@ -26,6 +26,7 @@ class Snapshot:
 
     def __init__(self, model: VAE):
         self.model = copy.deepcopy(model).requires_grad_(False).eval()
+        self.passes = self.imagine  # the no-gradient passes of a dream (a CUDA graph replay on CUDA)
 
     def sync(self, model: VAE) -> None:
         self.model.load_state_dict(model.state_dict())
@@ -40,9 +41,14 @@ class Snapshot:
         choice = torch.randint(len(past), (n,), generator=generator, device=device)
         env = torch.tensor(past, dtype=torch.long, device=device)[choice]
         z = torch.randn(n, latents, generator=generator, device=device)
+        return Dreams(z, env, *self.passes(z, env))
+
+    @torch.no_grad()
+    def imagine(self, z: torch.Tensor, env: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Posterior]:
+        """(x', the decoder's logits, q_phi'(z|x')) of the snapshot for codes z under environments env."""
         logits = self.model.decoder(z, env).float()
         x = torch.sigmoid(logits)
-        return Dreams(z, env, x, logits, Posterior(*(p.float() for p in self.model.encoder(x))))
+        return x, logits, Posterior(*(p.float() for p in self.model.encoder(x)))
 
     def state_dict(self) -> dict:
         return self.model.state_dict()

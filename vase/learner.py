@@ -19,7 +19,7 @@ import torch
 
 from vase.config import Config
 from vase.conv_paths import place, use_implementation
-from vase.cuda_graphs import GraphedPasses, usable
+from vase.cuda_graphs import GraphedNoGrad, GraphedPasses, usable
 from vase.device import precision_context
 from vase.dreaming import Dreaming, Dreams, NoDreams, Snapshot, decoder_proximity, encoder_proximity
 from vase.errors import NumericalError
@@ -105,6 +105,8 @@ class Learner:
         graphed = cfg.train.cuda_graphs and usable(device, cfg.train.precision, cfg.train.compile)
         self.graphed = [GraphedPasses(n) for n in (self.model.encoder, self.model.decoder)] if graphed else []
         self.encoder_pass, self.decoder_pass = self.graphed or (self.model.encoder, self.model.decoder)
+        if graphed:
+            self.snapshot.passes = GraphedNoGrad(self.snapshot.imagine)
         # Per environment slot after the first: (step allocated, KL carried then), for
         # objective.new_env_ramp_steps.
         self.capacity_starts: dict[int, tuple[int, float]] = {}
