@@ -119,11 +119,11 @@ def test_a_json_list_setting_must_be_a_list():
         Config.from_dict({"data": {"steps_per_env": ["many"]}})
 
 
-def test_a_run_made_with_a_deleted_verdict_rule_loads_without_its_settings(tmp_path):
+def test_a_run_made_with_a_deleted_rule_loads_without_its_settings(tmp_path):
     saved = json.loads(build_config("cpu").to_json())
     saved["inference"].update(relied_kl=1.0, foreign_use=0.5)  # foreign_latents, deleted
     (tmp_path / "config.json").write_text(json.dumps(saved))
     assert load_run_config(tmp_path) == build_config("cpu")
-    saved["inference"]["without"] = ["ranked_fallback", "settling", "current_first"]
+    saved["inference"]["without"] = ["ranked_fallback", "settling", "current_first", "resettling"]
     (tmp_path / "config.json").write_text(json.dumps(saved))
     assert load_run_config(tmp_path).inference.without == ["settling"]

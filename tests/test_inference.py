@@ -118,27 +118,6 @@ def test_new_environment_trains_unjudged_during_cooldown():
     assert decide(inf, slots, 6, 10_000.0).verdict == "same"  # the new env's own cooldown
 
 
-def test_a_change_of_the_current_mask_reopens_the_settling_period():
-    inf, slots = setup(patience=1, cooldown=5)
-    decide(inf, slots, 0, 100.0)
-    for t in range(1, 6):
-        decide(inf, slots, t, 100.0)
-    inf.rule("resettling").mask_changed(inf, 0, 6)  # the bookkeeping calls this when a^0 changes in env 0
-    assert not slots[0].recorded  # L_0 is learnt again under the new mask
-    assert decide(inf, slots, 7, 10_000.0).verdict == "same"  # unjudged while it settles
-    assert slots[0].error == 10_000.0
-    slots[0].error = torch.tensor(100.0)
-    assert decide(inf, slots, 11, 10_000.0).verdict == "new"  # judged again after the cooldown
-
-
-def test_resettling_a_past_environment_changes_nothing():
-    inf, slots = setup(patience=1, cooldown=5)
-    decide(inf, slots, 0, 100.0)
-    decide(inf, slots, 10, {0: 400.0, 1: 100.0})  # env 1 is current
-    inf.rule("resettling").mask_changed(inf, 0, 20)
-    assert inf.rule("resettling").since < 0 and inf.rule("settling").since == 10 and slots[0].recorded
-
-
 def _switch_back_into_env_0(cooldown):
     """Env 0, then env 1, then a batch that passes env 0's tests only: a switch back into env 0."""
     inf, slots = setup(patience=1, cooldown=cooldown, k_max=4)

@@ -39,12 +39,12 @@ def dropped(saved: Any) -> Any:
 
 # Rules that acted on the verdict alone and were deleted because they changed no verdict in any run
 # we measured (docs/method.md, rules beyond eq. 6).
-DELETED_VERDICT_RULES = ("current_first", "foreign_latents", "ranked_fallback")
+DELETED_RULES = ("current_first", "foreign_latents", "ranked_fallback", "resettling")
 
 
 def without_deleted_rules(saved: Any) -> Any:
     """inference.without less the deleted rules: a run made without one is the run of today's set."""
-    return saved if not isinstance(saved, list) else [name for name in saved if name not in DELETED_VERDICT_RULES]
+    return saved if not isinstance(saved, list) else [name for name in saved if name not in DELETED_RULES]
 
 
 def comma_text(saved: Any) -> Any:

@@ -291,9 +291,7 @@ class EnvironmentInference:
         slot = self.slots[env]
         slot.record(error, torch.where(mask.bool(), usage, 0.0), self.cfg.error_ema)
         used = self.used(env) if self.marks_learnt else None
-        if self.masking.update(slot, alpha, maskable, used):
-            for hook in self.hooks["mask_changed"]:
-                hook(self, env, decision.step)
+        self.masking.update(slot, alpha, maskable, used)
 
     # -- checkpointing ----------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -65,13 +65,12 @@ class Masks:
         return slot.mask
 
     def update(self, slot: Slot, alpha: torch.Tensor, maskable: torch.Tensor | None,
-               used: torch.Tensor | None = None) -> bool:
-        """Fold one batch's alpha into a^s (EMA then hysteresis); True when a^s changed.
+               used: torch.Tensor | None = None) -> None:
+        """Fold one batch's alpha into a^s (EMA then hysteresis).
 
         `used` (the latents s's usage record counts as used) marks those whose smoothed alpha is
         settled as learnt; the mask itself is decided before, on the previous batches' `learnt`.
         """
-        before = slot.mask
         if not slot.initialised:
             start_mask(slot, alpha, maskable, self.cfg)
         else:
@@ -79,7 +78,6 @@ class Masks:
             slot.mask = hysteresis(slot.alpha, slot.mask, self.cfg, maskable)
         if used is not None:
             slot.learnt = slot.learnt | (used & (slot.alpha < self.cfg.lambda_low))
-        return not torch.equal(slot.mask, before)
 
     def disagreement(self, slot: Slot, alpha: torch.Tensor, scope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Latents on which the batch's own mask a(x) (eq. 5's hysteresis relative to a^s) contradicts
@@ -98,8 +96,8 @@ class AllOnes:
         return torch.ones_like(slot.mask)
 
     def update(self, slot: Slot, alpha: torch.Tensor, maskable: torch.Tensor | None,
-               used: torch.Tensor | None = None) -> bool:
-        return False
+               used: torch.Tensor | None = None) -> None:
+        """A off: nothing to update."""
 
     def disagreement(self, slot: Slot, alpha: torch.Tensor, scope: tuple[torch.Tensor, torch.Tensor]) -> None:
         return None

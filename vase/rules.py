@@ -75,9 +75,6 @@ class Rule:
         """Latents a^env may switch off; printed (eq. 5): every latent."""
         return latents
 
-    def mask_changed(self, inf: EnvironmentInference, env: int, step: int) -> None:
-        """Training in env has just changed a^env."""
-
     def state_dict(self) -> dict:
         return {}
 
@@ -129,49 +126,28 @@ class SmoothedAtypicality(Rule):
 
 
 # -- the `vase` set --------------------------------------------------------------------------------------
-class _Cooldown(Rule):
-    """Batches train unjudged for `inference.cooldown` steps after an event of the subclass's."""
-
-    settings = ("inference.cooldown",)
-
-    def __init__(self):
-        self.since = -(10**9)  # the step of the last event
-
-    def unjudged(self, inf, step):
-        return step - self.since < inf.cfg.cooldown
-
-    def state_dict(self):
-        return {f"{self.name}_since": self.since}
-
-    def load_state_dict(self, d, device):
-        # Checkpoints written while one rule kept both events hold only settling's step, the later one.
-        self.since = int(d.get(f"{self.name}_since", d["settling_since"]))
-
-
-class Settling(_Cooldown):
+class Settling(Rule):
     """A new environment trains unjudged for `cooldown` steps. Fixes: a slot's L_s, usage and mask
     rest on a handful of batches; judged against them every batch failed and allocations chained
     (slots 1-6 at steps 3509, 3519, ..., 3559 with `paper`). Setting: `inference.cooldown`."""
 
     name = "settling"
+    settings = ("inference.cooldown",)
+
+    def __init__(self):
+        self.since = -(10**9)  # the step of the last allocation
 
     def allocated(self, inf, env, step):
         self.since = step
 
+    def unjudged(self, inf, step):
+        return step - self.since < inf.cfg.cooldown
 
-class Resettling(_Cooldown):
-    """A change of the current slot's own mask reopens the unjudged period, with L_s re-learnt
-    under the new mask. No failure measured: L_s was measured under the old mask. On the long sprite
-    run, shapes B's slot masked z1 at step 23,300, and moving shapes B arrived at 24,000 while the
-    period was open: it trained in that slot unjudged and stayed; without the rule it got a slot of
-    its own (docs/method.md, the study). Setting: `inference.cooldown`."""
+    def state_dict(self):
+        return {"settling_since": self.since}
 
-    name = "resettling"
-
-    def mask_changed(self, inf, env, step):
-        if env == inf.current:  # L_s was measured under the old mask, and the decoder input changed
-            self.since = step
-            inf.slots[env].recorded = False
+    def load_state_dict(self, d, device):
+        self.since = int(d["settling_since"])
 
 
 class Information(Rule):
@@ -309,7 +285,7 @@ class FreshLatentPenalty(Rule):
 
 RULES: dict[str, type[Rule]] = {rule.name: rule for rule in (
     Debouncing, FrozenWhilePending, Hysteresis, SmoothedAtypicality,
-    Settling, Resettling, Information, Probation, ErrorMargin, SettledMasks,
+    Settling, Information, Probation, ErrorMargin, SettledMasks,
     OthersLatentsOnly, LearntLatentsOnly, OwnCapacityRamp, FreshLatentPenalty,
 )}
 RULE_SETS: dict[str, tuple[str, ...]] = {
@@ -317,11 +293,10 @@ RULE_SETS: dict[str, tuple[str, ...]] = {
     "paper": ("debouncing", "frozen_while_pending", "hysteresis", "smoothed_atypicality"),
 }
 # The rules that act on a batch's verdict and on nothing else: for them, a run in which leaving one
-# out changes no verdict is the run without it (`inference.counterfactuals`). Resettling is not one:
-# it also clears L_s.
+# out changes no verdict is the run without it (`inference.counterfactuals`).
 VERDICT_RULES = ("debouncing", "settling", "error_margin", "settled_masks")
 HOOKS = ("reading", "begin", "unjudged", "mask_scope", "leaving", "switched",
-         "allocated", "records", "maskable", "mask_changed")
+         "allocated", "records", "maskable")
 
 
 def build(names: tuple[str, ...], with_s: bool) -> list[Rule]:
