@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from vase.config import build_config
-from vase.cuda_graphs import GraphedNoGrad, GraphedPasses, usable
+from vase.cuda_graphs import GraphedNoGrad, GraphedPasses, capture_key, usable
 from vase.dreaming import Snapshot
 from vase.learner import Learner
 from vase.networks import VAE
@@ -25,7 +25,7 @@ class Recorded(GraphedPasses):
         self.captured, self.replays = [], 0
 
     def _capture(self, args):
-        self.captured.append(self._key(args))
+        self.captured.append(capture_key(args))
 
         def replay(*a):
             self.replays += 1

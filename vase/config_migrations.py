@@ -37,8 +37,8 @@ def dropped(saved: Any) -> Any:
     return MISSING
 
 
-# Rules that acted on the verdict alone and were deleted because they changed no verdict in any run
-# we measured (docs/method.md, rules beyond eq. 6).
+# Rules deleted because no run we measured needed them: they changed no verdict, or the runs without
+# them were the runs with them (docs/method.md, rules beyond eq. 6).
 DELETED_RULES = ("current_first", "foreign_latents", "ranked_fallback", "resettling")
 
 

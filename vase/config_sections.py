@@ -177,8 +177,9 @@ class TrainConfig:
     compile: bool = False
     # Deterministic kernels on accelerators (cuDNN, cuBLAS); the CPU path is deterministic as is.
     deterministic: bool = False
-    # On CUDA in fp32: replay the encoder's and decoder's training passes as CUDA graphs
-    # (vase.cuda_graphs; measured by `vase bench --device`, docs/devices.md). No effect elsewhere.
+    # On CUDA in fp32: replay the encoder's and decoder's training passes and the snapshot's dream
+    # passes as CUDA graphs (vase.cuda_graphs; measured by `vase bench --device`, docs/devices.md).
+    # No effect elsewhere.
     cuda_graphs: bool = True
     checkpoint_every: int = 1000
     log_every: int = 50

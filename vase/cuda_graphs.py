@@ -22,6 +22,11 @@ import torch
 from torch import nn
 
 
+def capture_key(args: tuple[torch.Tensor, ...]) -> tuple:
+    """What a capture is valid for: each input's shape, dtype and whether it requires grad."""
+    return tuple((tuple(a.shape), a.dtype, a.requires_grad) for a in args)
+
+
 class GraphedPasses:
     """A network's training pass: a CUDA graph replay where the rules above allow, else its eager
     forward. The module itself is left as it was (its forward, deep copies of it)."""
@@ -34,9 +39,6 @@ class GraphedPasses:
 
     def new_step(self) -> None:
         self.replayed = False
-
-    def _key(self, args: tuple[torch.Tensor, ...]) -> tuple:
-        return tuple((tuple(a.shape), a.dtype, a.requires_grad) for a in args)
 
     def _capture(self, args: tuple[torch.Tensor, ...]) -> Callable:
         """Capture forward and backward at these inputs' shapes (warm-up passes on a side stream;
@@ -53,7 +55,7 @@ class GraphedPasses:
     def __call__(self, *args: torch.Tensor):
         if self.replayed or not (torch.is_grad_enabled() and self.module.training):
             return self.module(*args)
-        key = self._key(args)
+        key = capture_key(args)
         if key not in self.graphs:
             self.graphs[key] = self._capture(args)
         self.replayed = True
@@ -83,7 +85,7 @@ class GraphedNoGrad:
         return graph, inputs, outputs
 
     def __call__(self, *args: torch.Tensor):
-        key = tuple((tuple(a.shape), a.dtype) for a in args)
+        key = capture_key(args)
         if key not in self.graphs:
             self.graphs[key] = self._capture(args)
         graph, inputs, outputs = self.graphs[key]
@@ -97,5 +99,3 @@ def usable(device: torch.device, precision: str, compiled: bool) -> bool:
     """CUDA graphs apply on CUDA, in fp32 eager (autocast's cache and torch.compile's own graphs do
     not mix with them)."""
     return device.type == "cuda" and precision == "fp32" and not compiled
-
-
