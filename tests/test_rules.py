@@ -275,6 +275,13 @@ def test_table1_names_the_rules_a_run_left_out():
     result = {"ablation": "SDA", "rules": "vase", "rules_without": ["settling"], "capacity_form": "squared"}
     assert row_label(result) == "SDA (without settling)"
     assert row_label({"ablation": "SDA", "rules": "vase", "capacity_form": "squared"}) == "SDA"
+    restarted = {"ablation": "SDA", "rules": "vase", "reset_optimizer_at_allocation": True}
+    assert row_label(restarted) == "SDA (Adam restarted at allocations)"
+    assert row_label({**restarted, "ablation": "DA"}) == "DA"  # without S nothing is allocated
+    heavier = {"ablation": "SDA", "dream_weights": [1.0, 10.0]}
+    assert row_label(heavier) == "SDA (eq. 7 weights 1 / 10)"
+    assert row_label({**heavier, "ablation": "SA"}) == "SA"  # without D there is no eq. 7
+    assert row_label({**heavier, "dream_weights": [1.0, 1.0]}) == "SDA"
 
 
 # -- inference.counterfactuals: which rules changed a verdict -------------------------------------------

@@ -270,6 +270,8 @@ class Evaluator(Callback):
             "capacity_form": cfg.objective.capacity_form,
             "capacity_ramp_steps": cfg.objective.capacity_ramp_steps,
             "snapshot_every": cfg.dream.snapshot_every,
+            "reset_optimizer_at_allocation": cfg.train.reset_optimizer_at_allocation,
+            "dream_weights": [cfg.dream.encoder_weight, cfg.dream.decoder_weight],
             "mode": cfg.objective.mode,
             "preset": cfg.preset,
             "sequence": cfg.data.sequence,

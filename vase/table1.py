@@ -35,8 +35,10 @@ def _reading(result: dict) -> str:
 def row_label(result: dict) -> str:
     """A Table 1 row's name: the ablation, the rule set where inference runs with another than the
     default (`inference.rules`), the capacity term where results.json says it was the absolute
-    value rather than eq. 8's square (`objective.capacity_form`), and a snapshot that tau never
-    re-syncs within the run (`dream.snapshot_every`)."""
+    value rather than eq. 8's square (`objective.capacity_form`), a snapshot that tau never
+    re-syncs within the run (`dream.snapshot_every`), eq. 7's weights where they are not 1
+    (`dream.encoder_weight`, `dream.decoder_weight`), and Adam restarted at each allocation
+    (`train.reset_optimizer_at_allocation`)."""
     rules = result.get("rules", "vase")
     notes = [f"{rules} rules"] if "S" in result["ablation"] and rules != "vase" else []
     notes += [f"without {name}" for name in result.get("rules_without", [])]
@@ -44,6 +46,11 @@ def row_label(result: dict) -> str:
         notes.append("absolute capacity term")
     if "D" in result["ablation"] and result.get("snapshot_every", 0) >= sum(result.get("steps_per_env") or [0]) > 0:
         notes.append("snapshot synced at allocations only")  # tau (eq. 7) longer than the run
+    encoder_weight, decoder_weight = result.get("dream_weights", (1.0, 1.0))
+    if "D" in result["ablation"] and (encoder_weight, decoder_weight) != (1.0, 1.0):
+        notes.append(f"eq. 7 weights {encoder_weight:g} / {decoder_weight:g}")
+    if "S" in result["ablation"] and result.get("reset_optimizer_at_allocation"):
+        notes.append("Adam restarted at allocations")
     return result["ablation"] + (f" ({', '.join(notes)})" if notes else "")
 
 
