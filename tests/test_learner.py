@@ -414,3 +414,33 @@ def test_an_allocation_restarts_adam_only_with_the_reset_setting(reset):
     assert first_step == reset
     lrn.training_step(x)  # the same environment again: nothing is cleared
     assert {float(s["step"]) for s in lrn.optimizer.state.values()} == ({2.0} if reset else {5.0})
+
+
+@pytest.mark.parametrize("trains", [True, False])
+def test_a_pending_batch_trains_no_weights_when_held_out(trains):
+    """inference.pending_batches_train: a batch whose "new" verdict is pending moves the model's and
+    q_psi's weights and Adam's moments only where the setting is true; the statistics of the current
+    slot stay still either way (frozen_while_pending), and the step's losses are logged alike."""
+    from vase.inference import Decision
+
+    lrn = learner("SDA", [f"inference.pending_batches_train={str(trains).lower()}"])
+    x = squares(16, torch.Generator().manual_seed(0), 0)
+    for _ in range(3):
+        lrn.training_step(x)
+    weights = [p.detach().clone() for p in [*lrn.model.parameters(), *lrn.classifier.parameters()]]
+    moments = copy.deepcopy(lrn.optimizer.state_dict()["state"])
+    error = lrn.slots[0].error.clone()
+    infer = lrn.inference.infer
+    lrn.inference.infer = lambda t, probs, *args: Decision(t, 0, 0, "pending", ["mask"])
+    out = lrn.training_step(squares(16, torch.Generator().manual_seed(1), 1))
+    lrn.inference.infer = infer
+    now = [*lrn.model.parameters(), *lrn.classifier.parameters()]
+    unchanged = all(torch.equal(a, b) for a, b in zip(weights, now))
+    assert unchanged == (not trains)
+    state = lrn.optimizer.state_dict()["state"]
+    same_moments = all(torch.equal(moments[k]["exp_avg"], v["exp_avg"]) for k, v in state.items())
+    assert same_moments == (not trains)
+    assert torch.equal(lrn.slots[0].error, error)  # frozen while pending, in both cases
+    assert {"mdl", "classifier", "total"} <= set(out.losses) and out.losses["mdl"] > 0
+    assert lrn.inference.learns(out.decision) == trains
+    assert lrn.inference.learns(Decision(4, 0, 0, "same"))  # only a pending batch is held out

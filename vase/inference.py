@@ -105,16 +105,23 @@ class EnvironmentInference:
         logits = self.classifier(hidden)
         return logits, F.softmax(logits[:batch].detach(), dim=1).mean(0)
 
-    def train_classifier(self, logits: torch.Tensor, env: int, batch: int, dreams) -> dict[str, torch.Tensor]:
-        """q_psi: cross-entropy on the real batch (inferred label) and on dreams (their label)."""
+    def train_classifier(self, logits: torch.Tensor, env: int, batch: int, dreams,
+                         learn: bool = True) -> dict[str, torch.Tensor]:
+        """q_psi: cross-entropy on the real batch (inferred label) and on dreams (their label); the
+        step is taken only where the batch learns (`learns`)."""
         labels = torch.full((batch,), env, dtype=torch.long, device=self.device)
         if dreams is not None:
             labels = torch.cat([labels, dreams.env])
         loss = F.cross_entropy(logits, labels)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
+        if learn:
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
         return {"classifier": loss.detach()}
+
+    def learns(self, decision: Decision) -> bool:
+        """Whether this batch moves the weights (the rule set may hold a pending batch out)."""
+        return all(hook(self, decision) for hook in self.hooks["learns"])
 
     @torch.no_grad()
     def slot_of(self, x: torch.Tensor, encoder: torch.nn.Module) -> int:
@@ -323,7 +330,7 @@ class SingleEnvironment(EnvironmentInference):
     def classify(self, hidden: torch.Tensor, batch: int) -> tuple[None, None]:
         return None, None
 
-    def train_classifier(self, logits, env: int, batch: int, dreams) -> dict:
+    def train_classifier(self, logits, env: int, batch: int, dreams, learn: bool = True) -> dict:
         return {}
 
     def slot_of(self, x: torch.Tensor, encoder: torch.nn.Module) -> int:

@@ -161,7 +161,7 @@ class Learner:
         losses.update(self.dreaming_term(enc, dreams, dream_logits))  # eq. 7
         losses.update(self.imagination_term(enc, s))  # Fig. 5B, off by default [ours]
         losses["total"] = self.total(losses)
-        values = self.update(losses, enc, s, dreams)
+        values = self.update(losses, enc, s, dreams, self.inference.learns(decision))
         # Eq. 5-6's statistics of s: L_s, its latent use, then a^s.
         self.inference.bookkeeping(decision, recon.detach().mean(), enc.usage, enc.alpha, mask, maskable)
         self.dreaming.stepped(t, self.model)  # every tau steps the snapshot is re-synced (paper §3.5)
@@ -277,16 +277,21 @@ class Learner:
         transfer = torch.stack([self.inference.used(p) for p in past]).any(0) & ~self.inference.used(s)
         return transfer if bool(transfer.any()) else None
 
-    def update(self, losses: dict[str, torch.Tensor], enc: Encoded, env: int, dreams: Dreams | None) -> dict:
+    def update(self, losses: dict[str, torch.Tensor], enc: Encoded, env: int, dreams: Dreams | None,
+               learn: bool = True) -> dict:
         """q_psi's step (on detached features, so separate), then the model's, after one host read of
-        every loss term and the gradient norm (the NaN check and the logs)."""
-        losses.update(self.inference.train_classifier(enc.class_logits, env, enc.x.shape[0], dreams))
+        every loss term and the gradient norm (the NaN check and the logs). A batch that does not
+        learn (`EnvironmentInference.learns`) is logged with a gradient norm of 0 and moves nothing."""
+        losses.update(self.inference.train_classifier(enc.class_logits, env, enc.x.shape[0], dreams, learn))
         self.optimizer.zero_grad(set_to_none=True)
-        losses["total"].backward()
-        readings = torch.stack([*(v.detach() for v in losses.values()), self._gradient_norm()]).tolist()
+        if learn:
+            losses["total"].backward()
+        norm = self._gradient_norm() if learn else torch.zeros((), device=self.device)
+        readings = torch.stack([*(v.detach() for v in losses.values()), norm]).tolist()
         values = dict(zip(losses, readings))
         self._check_finite(values, readings[-1])
-        self.optimizer.step()
+        if learn:
+            self.optimizer.step()
         return values
 
     def _gradient_norm(self) -> torch.Tensor:

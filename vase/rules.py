@@ -71,6 +71,10 @@ class Rule:
         """False: this batch trains but does not move the statistics of its slot."""
         return True
 
+    def learns(self, inf: EnvironmentInference, decision: Decision) -> bool:
+        """False: this batch moves no weights (neither the model's nor q_psi's); printed: it does."""
+        return True
+
     def maskable(self, inf: EnvironmentInference, env: int, latents: torch.Tensor) -> torch.Tensor:
         """Latents a^env may switch off; printed (eq. 5): every latent."""
         return latents
@@ -94,14 +98,20 @@ class Debouncing(Rule):
 
 
 class FrozenWhilePending(Rule):
-    """A batch whose "new" verdict is pending trains under the current slot but updates none of its
-    statistics (L_s, usage, mask). No failure measured: a rationale, that a possible new
-    environment's batches should not move the old slot's statistics. Setting: none."""
+    """A batch whose "new" verdict is pending updates none of the current slot's statistics (L_s,
+    usage, mask), and with `inference.pending_batches_train` false it trains no weights either.
+    Fixes: a new environment's pending batches moved the old slot's L_s (docs/method.md). Setting:
+    `inference.pending_batches_train`."""
 
     name = "frozen_while_pending"
+    settings = ("inference.pending_batches_train",)
+    as_printed = {"inference.pending_batches_train": True}
 
     def records(self, decision: Decision) -> bool:
         return decision.verdict != "pending"
+
+    def learns(self, inf: EnvironmentInference, decision: Decision) -> bool:
+        return decision.verdict != "pending" or inf.cfg.pending_batches_train
 
 
 class Hysteresis(Rule):
@@ -296,7 +306,7 @@ RULE_SETS: dict[str, tuple[str, ...]] = {
 # out changes no verdict is the run without it (`inference.counterfactuals`).
 VERDICT_RULES = ("debouncing", "settling", "error_margin", "settled_masks")
 HOOKS = ("reading", "begin", "unjudged", "mask_scope", "leaving", "switched",
-         "allocated", "records", "maskable")
+         "allocated", "records", "learns", "maskable")
 
 
 def build(names: tuple[str, ...], with_s: bool) -> list[Rule]:
