@@ -278,6 +278,9 @@ def test_table1_names_the_rules_a_run_left_out():
     restarted = {"ablation": "SDA", "rules": "vase", "reset_optimizer_at_allocation": True}
     assert row_label(restarted) == "SDA (Adam restarted at allocations)"
     assert row_label({**restarted, "ablation": "DA"}) == "DA"  # without S nothing is allocated
+    held_out = {"ablation": "SDA", "pending_batches_train": False}
+    assert row_label(held_out) == "SDA (pending batches held out)"
+    assert row_label({**held_out, "ablation": "DA"}) == "DA"
     heavier = {"ablation": "SDA", "dream_weights": [1.0, 10.0]}
     assert row_label(heavier) == "SDA (eq. 7 weights 1 / 10)"
     assert row_label({**heavier, "ablation": "SA"}) == "SA"  # without D there is no eq. 7

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vase import kernels
+from vase import kernels, rules
 from vase.callbacks import Callback, StepEnd
 from vase.checkpoint import save_weights
 from vase.config import Config
@@ -272,6 +272,7 @@ class Evaluator(Callback):
             "snapshot_every": cfg.dream.snapshot_every,
             "reset_optimizer_at_allocation": cfg.train.reset_optimizer_at_allocation,
             "dream_weights": [cfg.dream.encoder_weight, cfg.dream.decoder_weight],
+            "pending_batches_train": rules.as_configured(cfg).inference.pending_batches_train,
             "mode": cfg.objective.mode,
             "preset": cfg.preset,
             "sequence": cfg.data.sequence,
