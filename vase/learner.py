@@ -286,7 +286,9 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         if learn:
             losses["total"].backward()
-        norm = self._gradient_norm() if learn else torch.zeros((), device=self.device)
+            norm = self._gradient_norm()
+        else:
+            norm = torch.zeros((), device=self.device)
         readings = torch.stack([*(v.detach() for v in losses.values()), norm]).tolist()
         values = dict(zip(losses, readings))
         self._check_finite(values, readings[-1])
