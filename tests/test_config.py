@@ -65,6 +65,7 @@ def test_migrations_only_fill_or_convert_and_leave_their_input_alone():
 @pytest.mark.parametrize("path, inert, other", [
     ("objective.aggregate_weight", 0.0, 0.5),
     ("inference.probation_relies_on_past_usage", False, True),
+    ("train.reset_optimizer_at_allocation", False, True),
 ])
 def test_a_run_made_with_a_removed_setting_resumes_only_where_it_changed_nothing(tmp_path, path, inert, other):
     from vase.errors import ConfigError

@@ -391,31 +391,6 @@ def test_counting_counterfactuals_trains_the_same_bits():
     assert same_state(state_off, state_on)
 
 
-@pytest.mark.parametrize("reset", [False, True])
-def test_an_allocation_restarts_adam_only_with_the_reset_setting(reset):
-    """train.reset_optimizer_at_allocation: the step that allocates an environment updates from
-    fresh moments, so Adam's first step moves each weight by lr times the sign of its gradient;
-    without the setting the moments carry over. Steps that allocate nothing never clear them."""
-    lrn = learner("SDA", [f"train.reset_optimizer_at_allocation={str(reset).lower()}", "train.lr=0.001"])
-    x = squares(16, torch.Generator().manual_seed(0), 0)
-    for _ in range(3):
-        lrn.training_step(x)
-    weight = lrn.model.decoder.fc2.weight  # shared by every slot
-    before = weight.detach().clone()
-    infer = lrn.inference.infer
-    lrn.inference.infer = lambda t, *args: lrn.inference.allocate(t, 1, "new", ["reconstruction"])
-    out = lrn.training_step(x)
-    lrn.inference.infer = infer
-    assert out.decision.allocated and out.decision.env == 1
-    steps = {float(s["step"]) for s in lrn.optimizer.state.values()}
-    assert steps == ({1.0} if reset else {4.0})
-    moved = (weight.detach() - before)[weight.grad != 0].abs()
-    first_step = torch.allclose(moved, torch.full_like(moved, 0.001), rtol=1e-3)
-    assert first_step == reset
-    lrn.training_step(x)  # the same environment again: nothing is cleared
-    assert {float(s["step"]) for s in lrn.optimizer.state.values()} == ({2.0} if reset else {5.0})
-
-
 @pytest.mark.parametrize("trains", [True, False])
 def test_a_pending_batch_trains_no_weights_when_held_out(trains):
     """inference.pending_batches_train: a batch whose "new" verdict is pending moves the model's and

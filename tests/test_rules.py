@@ -275,9 +275,6 @@ def test_table1_names_the_rules_a_run_left_out():
     result = {"ablation": "SDA", "rules": "vase", "rules_without": ["settling"], "capacity_form": "squared"}
     assert row_label(result) == "SDA (without settling)"
     assert row_label({"ablation": "SDA", "rules": "vase", "capacity_form": "squared"}) == "SDA"
-    restarted = {"ablation": "SDA", "rules": "vase", "reset_optimizer_at_allocation": True}
-    assert row_label(restarted) == "SDA (Adam restarted at allocations)"
-    assert row_label({**restarted, "ablation": "DA"}) == "DA"  # without S nothing is allocated
     held_out = {"ablation": "SDA", "pending_batches_train": False}
     assert row_label(held_out) == "SDA (pending batches held out)"
     assert row_label({**held_out, "ablation": "DA"}) == "DA"

@@ -60,6 +60,8 @@ MIGRATIONS: dict[str, Callable[[Any], Any]] = {
     # Rules pruned for want of a failure they fix (docs/method.md, rules beyond eq. 6).
     "objective.aggregate_weight": removed("objective.aggregate_weight", 0.0),
     "inference.probation_relies_on_past_usage": removed("inference.probation_relies_on_past_usage", False),
+    # Measured and rejected (docs/method.md, "The optimiser at an arrival").
+    "train.reset_optimizer_at_allocation": removed("train.reset_optimizer_at_allocation", False),
     "inference.relied_kl": dropped,  # foreign_latents
     "inference.foreign_use": dropped,
     "inference.without": without_deleted_rules,

@@ -173,11 +173,6 @@ class ImaginationConfig:
 class TrainConfig:
     batch_size: int = 64
     lr: float = 5e-4  # Adam [related: Burgess et al.]
-    # [ours, beyond the paper] Clear Adam's moments when eq. 6 allocates an environment. Its second
-    # moments, fitted to the old stage's small gradients, make the first steps on a new environment
-    # several times the usual size, and the shared decoder is thrown off the older slots
-    # (docs/method.md, "The optimiser at an arrival").
-    reset_optimizer_at_allocation: bool = False
     seed: int = 0
     threads: int = 0  # torch threads; 0 = library default
     # Arithmetic of the forward passes: "fp32", or "bf16" autocast (losses stay float32). Measured

@@ -270,7 +270,6 @@ class Evaluator(Callback):
             "capacity_form": cfg.objective.capacity_form,
             "capacity_ramp_steps": cfg.objective.capacity_ramp_steps,
             "snapshot_every": cfg.dream.snapshot_every,
-            "reset_optimizer_at_allocation": cfg.train.reset_optimizer_at_allocation,
             "dream_weights": [cfg.dream.encoder_weight, cfg.dream.decoder_weight],
             "pending_batches_train": rules.as_configured(cfg).inference.pending_batches_train,
             "mode": cfg.objective.mode,

@@ -207,8 +207,6 @@ class Learner:
         if decision.allocated:
             self.inference.start(s, alpha, maskable)
             self.dreaming.new_environment(self.model)
-            if self.cfg.train.reset_optimizer_at_allocation:
-                self.optimizer.state.clear()  # Adam starts the new environment afresh
         return self.mask(s).clone(), maskable  # all ones when A is off
 
     def mdl_term(self, enc: Encoded, decision: Decision, mask: torch.Tensor, maskable: torch.Tensor,

@@ -37,9 +37,8 @@ def row_label(result: dict) -> str:
     default (`inference.rules`), the capacity term where results.json says it was the absolute
     value rather than eq. 8's square (`objective.capacity_form`), a snapshot that tau never
     re-syncs within the run (`dream.snapshot_every`), eq. 7's weights where they are not 1
-    (`dream.encoder_weight`, `dream.decoder_weight`), pending batches held out of training
-    (`inference.pending_batches_train`), and Adam restarted at each allocation
-    (`train.reset_optimizer_at_allocation`)."""
+    (`dream.encoder_weight`, `dream.decoder_weight`), and pending batches held out of training
+    (`inference.pending_batches_train`)."""
     rules = result.get("rules", "vase")
     notes = [f"{rules} rules"] if "S" in result["ablation"] and rules != "vase" else []
     notes += [f"without {name}" for name in result.get("rules_without", [])]
@@ -52,8 +51,6 @@ def row_label(result: dict) -> str:
         notes.append(f"eq. 7 weights {encoder_weight:g} / {decoder_weight:g}")
     if "S" in result["ablation"] and result.get("pending_batches_train") is False:
         notes.append("pending batches held out")
-    if "S" in result["ablation"] and result.get("reset_optimizer_at_allocation"):
-        notes.append("Adam restarted at allocations")
     return result["ablation"] + (f" ({', '.join(notes)})" if notes else "")
 
 
