@@ -81,6 +81,26 @@ def test_a_run_made_with_a_removed_setting_resumes_only_where_it_changed_nothing
         load_run_config(tmp_path)
 
 
+@pytest.mark.parametrize("ablation, without, refused", [
+    ("SDA", [], True), ("SA", [], True), ("DA", [], False), ("-", [], False), ("SDA", ["frozen_while_pending"], False),
+])
+def test_a_run_whose_pending_batches_trained_is_refused_where_the_rule_now_holds_them(ablation, without, refused):
+    """inference.pending_batches_train, removed: frozen_while_pending holds a pending batch out of
+    training. A run that trained them cannot be reproduced where S was on and the rule in its set;
+    without S there is no pending batch, and without the rule the batch trained then as it does now."""
+    cfg = build_config("cpu", ["inference.without=" + ",".join(without)] if without else [])
+    saved = json.loads(cfg.to_json())
+    saved["ablation"], saved["inference"]["enabled"] = ablation, "S" in ablation
+    saved["inference"]["pending_batches_train"] = True
+    if refused:
+        with pytest.raises(ConfigError, match="inference.pending_batches_train=True, a setting vase no longer has"):
+            migrate(saved)
+    else:
+        assert "pending_batches_train" not in migrate(saved)["inference"]
+    saved["inference"]["pending_batches_train"] = False
+    assert "pending_batches_train" not in migrate(saved)["inference"]
+
+
 @pytest.mark.parametrize("assignment, field, value", [
     ("data.sequence=moving_fashion, mnist ,moving_mnist", "sequence", ["moving_fashion", "mnist", "moving_mnist"]),
     ("data.sequence=shapes_a", "sequence", ["shapes_a"]),

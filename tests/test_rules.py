@@ -272,13 +272,15 @@ def test_without_refuses_a_rule_the_set_does_not_have():
 
 
 def test_table1_names_the_rules_a_run_left_out():
-    result = {"ablation": "SDA", "rules": "vase", "rules_without": ["settling"], "capacity_form": "squared"}
-    assert row_label(result) == "SDA (without settling)"
-    assert row_label({"ablation": "SDA", "rules": "vase", "capacity_form": "squared"}) == "SDA"
-    held_out = {"ablation": "SDA", "pending_batches_train": False}
-    assert row_label(held_out) == "SDA (pending batches held out)"
-    assert row_label({**held_out, "ablation": "DA"}) == "DA"
-    heavier = {"ablation": "SDA", "dream_weights": [1.0, 10.0]}
+    today = {"ablation": "SDA", "rules": "vase", "capacity_form": "squared", "pending_batches_train": False}
+    assert row_label({**today, "rules_without": ["settling"]}) == "SDA (without settling)"
+    assert row_label(today) == "SDA"
+    trained = {"ablation": "SDA", "pending_batches_train": True}
+    assert row_label(trained) == "SDA (pending batches trained)"
+    assert row_label({"ablation": "SDA"}) == "SDA (pending batches trained)"  # a results.json without the field
+    assert row_label({**trained, "ablation": "DA"}) == "DA"  # without S nothing is pending
+    assert row_label({**trained, "rules_without": ["frozen_while_pending"]}) == "SDA (without frozen_while_pending)"
+    heavier = {**today, "dream_weights": [1.0, 10.0]}
     assert row_label(heavier) == "SDA (eq. 7 weights 1 / 10)"
     assert row_label({**heavier, "ablation": "SA"}) == "SA"  # without D there is no eq. 7
     assert row_label({**heavier, "dream_weights": [1.0, 1.0]}) == "SDA"

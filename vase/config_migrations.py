@@ -2,8 +2,9 @@
 
 One table, MIGRATIONS: for each setting whose saved form changed, that was added with a default
 other than what earlier runs did, or that was removed, the rule that turns what such a config.json
-holds into what those runs trained with. A new field whose default reproduces the old behaviour
-needs no entry: the dataclass default fills it.
+holds into what those runs trained with. A rule reads the setting's saved value and, where the
+setting mattered only in some runs, the whole saved config. A new field whose default reproduces
+the old behaviour needs no entry: the dataclass default fills it.
 """
 from __future__ import annotations
 
@@ -15,23 +16,29 @@ from vase.errors import ConfigError
 MISSING = object()  # the setting is not in the config.json at all
 
 
-def added(value: Any) -> Callable[[Any], Any]:
+Migration = Callable[[Any, dict[str, Any]], Any]  # (saved value, saved config) -> value, or MISSING
+
+
+def added(value: Any) -> Migration:
     """A setting added after runs were made: a config.json without it gets `value`."""
-    return lambda saved: value if saved is MISSING else saved
+    return lambda saved, config: value if saved is MISSING else saved
 
 
-def removed(path: str, inert: Any) -> Callable[[Any], Any]:
-    """A setting that was removed: a config.json that holds it at `inert`, the value at which it
-    changed nothing, trains today as it did; any other value cannot be reproduced, and is refused."""
-    def read(saved: Any) -> Any:
-        if saved is not MISSING and saved != inert:
+def removed(path: str, inert: Any, acted: Callable[[dict[str, Any]], bool] = lambda config: True) -> Migration:
+    """A setting that was removed: a config.json that holds it at `inert`, the value that is now
+    the method's behaviour, trains today as it did; any other value cannot be reproduced, and is
+    refused. `acted`: whether the setting changed anything in a run of this saved config; where it
+    did not, any value reads. A config.json made before the setting existed cannot be told from one
+    made after it was removed, and reads as today's."""
+    def read(saved: Any, config: dict[str, Any]) -> Any:
+        if saved is not MISSING and saved != inert and acted(config):
             raise ConfigError(f"this run was made with {path}={saved!r}, a setting vase no longer has "
                               f"(only {inert!r} is reproduced); use the vase release it was made with")
         return MISSING
     return read
 
 
-def dropped(saved: Any) -> Any:
+def dropped(saved: Any, config: dict[str, Any]) -> Any:
     """A setting of a rule deleted because it changed no verdict in any run we measured (docs/method.md,
     rules beyond eq. 6): its value is dropped, and the run goes on without the rule."""
     return MISSING
@@ -42,17 +49,23 @@ def dropped(saved: Any) -> Any:
 DELETED_RULES = ("current_first", "foreign_latents", "ranked_fallback", "resettling")
 
 
-def without_deleted_rules(saved: Any) -> Any:
+def without_deleted_rules(saved: Any, config: dict[str, Any]) -> Any:
     """inference.without less the deleted rules: a run made without one is the run of today's set."""
     return saved if not isinstance(saved, list) else [name for name in saved if name not in DELETED_RULES]
 
 
-def comma_text(saved: Any) -> Any:
+def comma_text(saved: Any, config: dict[str, Any]) -> Any:
     """A list setting saved as comma text ("32,32,32,32"), as every list was before lists were JSON."""
     return comma_list(saved) if isinstance(saved, str) else saved
 
 
-MIGRATIONS: dict[str, Callable[[Any], Any]] = {
+def holds_pending_batches(config: dict[str, Any]) -> bool:
+    """Whether frozen_while_pending judged the run's pending batches: S on, and the rule in its set."""
+    inference = config.get("inference", {})
+    return inference.get("enabled", True) and "frozen_while_pending" not in inference.get("without", [])
+
+
+MIGRATIONS: dict[str, Migration] = {
     "model.weight_grad_kernel": added("onednn"),  # oneDNN computed the weight gradients before the kernel
     "objective.new_env_ramp_steps": added(0),  # every environment met C(t) at once
     "objective.fresh_aggregate_weight": added(0.0),  # no fresh-latent penalty
@@ -62,6 +75,8 @@ MIGRATIONS: dict[str, Callable[[Any], Any]] = {
     "inference.probation_relies_on_past_usage": removed("inference.probation_relies_on_past_usage", False),
     # Measured and rejected (docs/method.md, "The optimiser at an arrival").
     "train.reset_optimizer_at_allocation": removed("train.reset_optimizer_at_allocation", False),
+    # Held out by frozen_while_pending (docs/method.md, "The pending batches at an arrival").
+    "inference.pending_batches_train": removed("inference.pending_batches_train", False, acted=holds_pending_batches),
     "inference.relied_kl": dropped,  # foreign_latents
     "inference.foreign_use": dropped,
     "inference.without": without_deleted_rules,
@@ -77,7 +92,7 @@ def migrate(saved: dict[str, Any]) -> dict[str, Any]:
     for path, rule in MIGRATIONS.items():
         section, key = path.split(".")
         if isinstance(out.get(section), dict):
-            value = rule(out[section].get(key, MISSING))
+            value = rule(out[section].get(key, MISSING), out)
             if value is not MISSING:
                 out[section][key] = value
             else:

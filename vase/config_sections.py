@@ -125,11 +125,6 @@ class InferenceConfig:
     # environment is learnt to ~1 nat (three static sprites), kappa * L alone is batch noise.
     error_margin: float = 25.0
     patience: int = 10  # consecutive "new" verdicts before allocating [ours]
-    # [ours] Whether a batch whose "new" verdict is pending trains the weights under the current
-    # slot (the rule frozen_while_pending keeps its statistics still either way). Such batches are
-    # most often the new environment's first, and what they teach the old slot's decoder the
-    # allocation's snapshot then keeps (docs/method.md, "The pending batches at an arrival").
-    pending_batches_train: bool = True
     error_ema: float = 0.95  # running reconstruction error L_s [ours]
     # A latent counts as "used" by an environment when it carries more than this many nats of
     # information: KL minus atypicality, an estimate of I(x; z_n) [ours].

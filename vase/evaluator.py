@@ -271,7 +271,7 @@ class Evaluator(Callback):
             "capacity_ramp_steps": cfg.objective.capacity_ramp_steps,
             "snapshot_every": cfg.dream.snapshot_every,
             "dream_weights": [cfg.dream.encoder_weight, cfg.dream.decoder_weight],
-            "pending_batches_train": rules.as_configured(cfg).inference.pending_batches_train,
+            "pending_batches_train": "frozen_while_pending" not in rules.chosen(cfg),
             "mode": cfg.objective.mode,
             "preset": cfg.preset,
             "sequence": cfg.data.sequence,

@@ -98,20 +98,20 @@ class Debouncing(Rule):
 
 
 class FrozenWhilePending(Rule):
-    """A batch whose "new" verdict is pending updates none of the current slot's statistics (L_s,
-    usage, mask), and with `inference.pending_batches_train` false it trains no weights either.
-    Fixes: a new environment's pending batches moved the old slot's L_s (docs/method.md). Setting:
-    `inference.pending_batches_train`."""
+    """A batch whose "new" verdict is pending moves nothing of the current slot: neither its
+    statistics (L_s, usage, mask) nor any weight (the model's, q_psi's, Adam's moments); its losses
+    are still logged. Fixes: a new environment's pending batches, most often its first, moved the
+    old slot's L_s, and trained the old slot's decoder on the new data, which the snapshot synced
+    at the allocation then kept (docs/method.md, "The pending batches at an arrival"). Setting:
+    none."""
 
     name = "frozen_while_pending"
-    settings = ("inference.pending_batches_train",)
-    as_printed = {"inference.pending_batches_train": True}
 
     def records(self, decision: Decision) -> bool:
         return decision.verdict != "pending"
 
     def learns(self, inf: EnvironmentInference, decision: Decision) -> bool:
-        return decision.verdict != "pending" or inf.cfg.pending_batches_train
+        return decision.verdict != "pending"
 
 
 class Hysteresis(Rule):

@@ -37,8 +37,9 @@ def row_label(result: dict) -> str:
     default (`inference.rules`), the capacity term where results.json says it was the absolute
     value rather than eq. 8's square (`objective.capacity_form`), a snapshot that tau never
     re-syncs within the run (`dream.snapshot_every`), eq. 7's weights where they are not 1
-    (`dream.encoder_weight`, `dream.decoder_weight`), and pending batches held out of training
-    (`inference.pending_batches_train`)."""
+    (`dream.encoder_weight`, `dream.decoder_weight`), and pending batches that trained although
+    frozen_while_pending was in the set (results.json's `pending_batches_train`; a results.json
+    without it is such a run)."""
     rules = result.get("rules", "vase")
     notes = [f"{rules} rules"] if "S" in result["ablation"] and rules != "vase" else []
     notes += [f"without {name}" for name in result.get("rules_without", [])]
@@ -49,8 +50,9 @@ def row_label(result: dict) -> str:
     encoder_weight, decoder_weight = result.get("dream_weights", (1.0, 1.0))
     if "D" in result["ablation"] and (encoder_weight, decoder_weight) != (1.0, 1.0):
         notes.append(f"eq. 7 weights {encoder_weight:g} / {decoder_weight:g}")
-    if "S" in result["ablation"] and result.get("pending_batches_train") is False:
-        notes.append("pending batches held out")
+    in_set = "frozen_while_pending" not in result.get("rules_without", [])
+    if "S" in result["ablation"] and in_set and result.get("pending_batches_train", True):
+        notes.append("pending batches trained")
     return result["ablation"] + (f" ({', '.join(notes)})" if notes else "")
 
 
