@@ -158,9 +158,13 @@ def test_a_mask_change_in_the_step_keeps_the_settling_period_and_l_s():
 
 @pytest.mark.slow
 def test_synthetic_two_environment_stream_gets_exactly_two_environments():
+    """Eq. 6 tests only the slot q_psi names, so q_psi must name the new slot by the end of its
+    cooldown. At the default classifier_lr it takes this toy 50-65 steps, as long as the cooldown,
+    and the verdict would turn on that race; at 0.01 it takes 16-18, with or without the pending
+    batches held out."""
     torch.manual_seed(0)
     lrn = learner("SDA", ["inference.patience=5", "inference.cooldown=50", "objective.capacity_ramp_steps=200",
-                          "train.lr=1e-3"])
+                          "train.lr=1e-3", "inference.classifier_lr=0.01"])
     gen = torch.Generator().manual_seed(0)
     steps = 300
     assigned = []
