@@ -186,7 +186,7 @@ def _typicality(run_dir: Path, steps: str, batches: int, as_json: bool, device) 
     except ValueError:
         raise VaseError(f"--atypicality {steps!r}: give steps as integers separated by commas, e.g. 11000,24000") \
             from None
-    cfg = load_run_config(run_dir)
+    cfg = load_run_config(run_dir, trains=False)
     rows = run_typicality(run_dir, cfg, wanted, batches, device=device)
     click.echo(json.dumps([row.as_dict() for row in rows], indent=2) if as_json
                else typicality_text(rows, (cfg.mask.lambda_low, cfg.mask.lambda_high)))

@@ -79,6 +79,7 @@ def test_a_run_made_with_a_removed_setting_resumes_only_where_it_changed_nothing
     (tmp_path / "config.json").write_text(json.dumps(saved))
     with pytest.raises(ConfigError, match=f"{path}={other!r}, a setting vase no longer has"):
         load_run_config(tmp_path)
+    assert load_run_config(tmp_path, trains=False) == build_config("cpu")  # read only: eval, inspect
 
 
 @pytest.mark.parametrize("ablation, without, refused", [

@@ -194,11 +194,14 @@ def option_overrides(sequence: str | None = None, steps: str | None = None, enta
     return sets
 
 
-def load_run_config(run_dir: Path, data_root: str | None = None, download: bool = False) -> Config:
+def load_run_config(run_dir: Path, data_root: str | None = None, download: bool = False,
+                    trains: bool = True) -> Config:
     """The resolved config a run was started with (its config.json), read as this release reads it.
 
     `data_root` and `download` say where the run's data lives now, or may come from: that does not
-    change the run, so a run may be resumed or inspected on another machine."""
+    change the run, so a run may be resumed or inspected on another machine. `trains` false: the
+    run will only be read (its saved weights evaluated or drawn), so a setting vase no longer has
+    does not stop it (`vase.config_migrations.migrate`)."""
     path = Path(run_dir) / "config.json"
     try:
         d = json.loads(path.read_text())
@@ -211,7 +214,7 @@ def load_run_config(run_dir: Path, data_root: str | None = None, download: bool 
             f"{run_dir} was written with config version {d.get('version')}; this vase reads version "
             f"{CONFIG_VERSION}, so the run cannot be resumed or evaluated by this code"
         )
-    cfg = Config.from_dict(migrate(d)).validate()
+    cfg = Config.from_dict(migrate(d, trains)).validate()
     cfg.data.root = data_root or cfg.data.root
     cfg.data.download = download or cfg.data.download
     return cfg

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from vase.config_values import comma_list
-from vase.errors import ConfigError
+from vase.errors import Unreproducible
 
 MISSING = object()  # the setting is not in the config.json at all
 
@@ -27,13 +27,13 @@ def added(value: Any) -> Migration:
 def removed(path: str, inert: Any, acted: Callable[[dict[str, Any]], bool] = lambda config: True) -> Migration:
     """A setting that was removed: a config.json that holds it at `inert`, the value that is now
     the method's behaviour, trains today as it did; any other value cannot be reproduced, and is
-    refused. `acted`: whether the setting changed anything in a run of this saved config; where it
-    did not, any value reads. A config.json made before the setting existed cannot be told from one
-    made after it was removed, and reads as today's."""
+    refused for training (`Unreproducible`). `acted`: whether the setting changed anything in a run
+    of this saved config; where it did not, any value reads. A config.json made before the setting
+    existed cannot be told from one made after it was removed, and reads as today's."""
     def read(saved: Any, config: dict[str, Any]) -> Any:
         if saved is not MISSING and saved != inert and acted(config):
-            raise ConfigError(f"this run was made with {path}={saved!r}, a setting vase no longer has "
-                              f"(only {inert!r} is reproduced); use the vase release it was made with")
+            raise Unreproducible(f"this run was made with {path}={saved!r}, a setting vase no longer has "
+                                 f"(only {inert!r} is reproduced); use the vase release it was made with")
         return MISSING
     return read
 
@@ -86,13 +86,20 @@ MIGRATIONS: dict[str, Migration] = {
 }
 
 
-def migrate(saved: dict[str, Any]) -> dict[str, Any]:
-    """A config.json's content as this release reads it (`saved` itself is left as it is)."""
+def migrate(saved: dict[str, Any], trains: bool = True) -> dict[str, Any]:
+    """A config.json's content as this release reads it (`saved` itself is left as it is). With
+    `trains` false the run is only read (evaluated, inspected), never continued, so a removed
+    setting that changed its training reads too."""
     out = {key: dict(value) if isinstance(value, dict) else value for key, value in saved.items()}
     for path, rule in MIGRATIONS.items():
         section, key = path.split(".")
         if isinstance(out.get(section), dict):
-            value = rule(out[section].get(key, MISSING), out)
+            try:
+                value = rule(out[section].get(key, MISSING), out)
+            except Unreproducible:
+                if trains:
+                    raise
+                value = MISSING
             if value is not MISSING:
                 out[section][key] = value
             else:

@@ -9,6 +9,11 @@ class ConfigError(VaseError):
     """An impossible or unknown setting."""
 
 
+class Unreproducible(ConfigError):
+    """A run trained with a setting vase no longer has: it cannot be continued, though its saved
+    weights can still be read (`vase.config_migrations.migrate`)."""
+
+
 class DataError(VaseError):
     """Missing, corrupt or unknown data."""
 

@@ -108,7 +108,7 @@ def disentanglement_scores(envs: list, encode, stage: int, seed: int) -> dict:
 
 def evaluate_run(run_dir: Path, progress: bool = False, device: torch.device | str = "cpu") -> dict:
     """Recompute probes and metrics of a finished (or partial) run from its saved encoders."""
-    cfg: Config = load_run_config(run_dir)
+    cfg: Config = load_run_config(run_dir, trains=False)
     if cfg.probe.reading == "sample":
         raise VaseError(
             f"{run_dir} read its probes from posterior samples under the inferred slot (probe.reading=sample); "

@@ -55,7 +55,7 @@ def open_run(run_dir: Path, step: int | None = None, data_root: str | None = Non
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise VaseError(f"run directory {run_dir} does not exist")
-    cfg = load_run_config(run_dir, data_root)
+    cfg = load_run_config(run_dir, data_root, trains=False)
     if not has_checkpoint(run_dir):
         raise VaseError(f"{run_dir} has no checkpoint yet: a run writes its first at a boundary or after "
                         f"train.checkpoint_every ({cfg.train.checkpoint_every}) steps")
