@@ -190,6 +190,13 @@ def test_the_decoder_weight_is_inert_exactly_where_eq7s_decoder_term_is_off():
                      "D": False, "DA": False, "SD": False, "SDA": False}
 
 
+def test_the_sync_at_allocation_is_inert_exactly_where_no_snapshot_meets_an_allocation():
+    inert = {row: "dream.sync_at_allocation" in build_config("cpu", [], row).inert_settings()
+             for row in ("-", "S", "A", "SA", "D", "DA", "SD", "SDA", "SD-[41]")}
+    assert inert == {"-": True, "S": True, "A": True, "SA": True, "D": True, "DA": True,
+                     "SD": False, "SDA": False, "SD-[41]": False}
+
+
 # -- the backends with stand-in children ------------------------------------------------------------------
 # A stand-in for `python -m cli`: exits with the code given as its last argument, after one line of output.
 STAND_IN = [sys.executable, "-c", "import sys; print('child', *sys.argv[1:]); sys.exit(int(sys.argv[-1]))"]

@@ -423,3 +423,29 @@ def test_a_pending_batch_moves_nothing_of_the_slot_under_frozen_while_pending(tr
     assert {"mdl", "classifier", "total"} <= set(out.losses) and out.losses["mdl"] > 0
     assert lrn.inference.learns(out.decision) == trains
     assert lrn.inference.learns(Decision(4, 0, 0, "same"))  # only a pending batch is held out
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_the_snapshot_takes_the_models_weights_at_an_allocation_only_with_sync_at_allocation(sync):
+    # tau is longer than the stream, so only the allocation can re-sync the snapshot.
+    lrn = learner("SDA", ["dream.snapshot_every=1000", f"dream.sync_at_allocation={str(sync).lower()}"])
+    x = squares(16, torch.Generator().manual_seed(0), 0)
+    initial = copy.deepcopy(lrn.snapshot.state_dict())
+    for _ in range(3):
+        lrn.training_step(x)
+    before = copy.deepcopy(lrn.model.state_dict())
+    lrn.inference.infer = lambda t, *args: lrn.inference.allocate(t, 1, "new", ["reconstruction"])
+    assert lrn.training_step(x).decision.allocated  # step 3: a second environment
+    expected = before if sync else initial  # synced before the allocating batch's update, or never
+    snap = lrn.snapshot.state_dict()
+    assert all(torch.equal(snap[k], expected[k]) for k in snap)
+    assert not all(torch.equal(before[k], initial[k]) for k in before)  # so the two cases differ
+
+
+def test_tau_re_syncs_the_snapshot_without_sync_at_allocation():
+    lrn = learner("SDA", ["dream.snapshot_every=3", "dream.sync_at_allocation=false"])
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):  # steps 0-2: the third ends a period of tau
+        lrn.training_step(squares(16, gen, 0))
+    snap, model = lrn.snapshot.state_dict(), lrn.model.state_dict()
+    assert all(torch.equal(snap[k], model[k]) for k in snap)

@@ -70,6 +70,15 @@ def test_a_snapshot_synced_only_at_allocations_is_a_row_of_its_own():
     assert labels == [("-", (0,)), ("SDA", (0, 1)), ("SDA (snapshot synced at allocations only)", (0,))]
 
 
+def test_a_snapshot_not_synced_at_allocations_is_a_row_of_its_own():
+    """dream.sync_at_allocation off: the snapshot follows tau only; a results.json without the key
+    was synced at its allocations (the default), and the setting names no row without D."""
+    runs = [dict(_results("SDA", 0), sync_at_allocation=True), _results("SDA", 1),
+            dict(_results("SDA", 0), sync_at_allocation=False), dict(_results("-", 0), sync_at_allocation=False)]
+    labels = sorted((row["ablation"], tuple(row["seeds"])) for row in table1_rows(runs))
+    assert labels == [("-", (0,)), ("SDA", (0, 1)), ("SDA (snapshot synced every tau only)", (0,))]
+
+
 def test_runs_of_another_capacity_ramp_are_another_table():
     """Same rows, sequence and length, another C(t) ramp: two experiments, each table naming its ramp."""
     runs = [dict(_results("SDA", 0), capacity_ramp_steps=7200), dict(_results("SDA", 1), capacity_ramp_steps=7200),

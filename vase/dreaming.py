@@ -59,8 +59,8 @@ class Snapshot:
 
 class Dreaming:
     """D on: each step dreams of the environments the inference names, from the snapshot, which is
-    re-synced every tau steps (paper §3.5) and when a new environment is allocated [ours], so the old
-    environments are dreamt by the model that knew them."""
+    re-synced every tau steps (paper §3.5) and, with dream.sync_at_allocation, when a new environment
+    is allocated [ours], so the old environments are dreamt by the model that knew them last."""
 
     def __init__(self, cfg: DreamConfig, snapshot: Snapshot):
         self.cfg, self.snapshot = cfg, snapshot
@@ -69,7 +69,10 @@ class Dreaming:
         return self.snapshot.dream(envs, self.cfg.batch_size, latents, generator) if envs else None
 
     def new_environment(self, model: VAE) -> None:
-        self.snapshot.sync(model)
+        """An environment was allocated: re-sync the snapshot (dream.sync_at_allocation [ours]),
+        so the past environments are dreamt by the model that knew them last."""
+        if self.cfg.sync_at_allocation:
+            self.snapshot.sync(model)
 
     def stepped(self, step: int, model: VAE) -> None:
         """Step `step` is done: every tau steps the snapshot takes the model's weights."""

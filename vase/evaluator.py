@@ -270,6 +270,7 @@ class Evaluator(Callback):
             "capacity_form": cfg.objective.capacity_form,
             "capacity_ramp_steps": cfg.objective.capacity_ramp_steps,
             "snapshot_every": cfg.dream.snapshot_every,
+            "sync_at_allocation": cfg.dream.sync_at_allocation,
             "dream_weights": [cfg.dream.encoder_weight, cfg.dream.decoder_weight],
             "pending_batches_train": "frozen_while_pending" not in rules.chosen(cfg),
             "mode": cfg.objective.mode,
