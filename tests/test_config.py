@@ -62,6 +62,16 @@ def test_migrations_only_fill_or_convert_and_leave_their_input_alone():
     assert set(LISTS) <= set(MIGRATIONS)
 
 
+def test_a_run_made_before_sync_at_allocation_existed_resumes_synced_at_its_allocations(tmp_path):
+    """Every allocation re-synced the snapshot before dream.sync_at_allocation existed, so a config.json
+    without it reads True, while a new run is synced every tau only."""
+    saved = json.loads(build_config("cpu").to_json())
+    assert saved["dream"]["sync_at_allocation"] is False
+    del saved["dream"]["sync_at_allocation"]
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert load_run_config(tmp_path).dream.sync_at_allocation is True
+
+
 @pytest.mark.parametrize("path, inert, other", [
     ("objective.aggregate_weight", 0.0, 0.5),
     ("inference.probation_relies_on_past_usage", False, True),

@@ -279,7 +279,8 @@ class FakeTraining:
             table1 = {"object_id_max": 0.5 + run.seed / 100, "object_id_change": -0.01, "position_min": 0.004,
                       "position_change": 0.0002}
             results = {"mode": run.mode, "ablation": run.row, "sequence": SEQUENCE.split(","), "seed": run.seed,
-                       "pending_batches_train": False, "environments_inferred": 2, "probes": {"table1": table1},
+                       "pending_batches_train": False, "sync_at_allocation": False, "environments_inferred": 2,
+                       "probes": {"table1": table1},
                        "latent_use": [{"used_in_training": [0, 1], "informative": [0]}]}
             (run.run_dir / "results.json").write_text(json.dumps(results))
             on_done(job, Outcome(0, 0.1, "here"))

@@ -26,7 +26,8 @@ def _results(ablation: str, seed: int, sequence=PAPER, id_change=-0.02) -> dict:
     """A results.json with what the markdown reads: slot 0 for the first environment, slot 1 after."""
     return {
         "mode": "disentangled", "ablation": ablation, "sequence": list(sequence), "seed": seed,
-        "pending_batches_train": False, "preset": "cpu", "steps_per_env": [200] * len(sequence),
+        "pending_batches_train": False, "sync_at_allocation": False, "preset": "cpu",
+        "steps_per_env": [200] * len(sequence),
         "environments_inferred": 2, "environments_true": len(set(sequence)),
         "inferred_vs_true": [{"true_env": name, "inferred_env": min(i, 1)} for i, name in enumerate(sequence)],
         # [j][i]: environment i after stage j, under the classifier's pick.
@@ -63,20 +64,24 @@ def test_markdown_puts_the_papers_changes_beside_the_paper_sequence_only():
 
 
 def test_a_snapshot_synced_only_at_allocations_is_a_row_of_its_own():
-    """tau (eq. 7) at least the run's length: the snapshot is re-synced only when a slot is allocated."""
+    """tau (eq. 7) at least the run's length: the snapshot is re-synced only when a slot is allocated,
+    or never without dream.sync_at_allocation."""
     runs = [dict(_results("SDA", 0), snapshot_every=100), dict(_results("SDA", 1), snapshot_every=599),
-            dict(_results("SDA", 0), snapshot_every=600), dict(_results("-", 0), snapshot_every=600)]  # 3 x 200 steps
+            dict(_results("SDA", 0), snapshot_every=600, sync_at_allocation=True),
+            dict(_results("-", 0), snapshot_every=600), dict(_results("SDA", 2), snapshot_every=600)]  # 3 x 200 steps
     labels = sorted((row["ablation"], tuple(row["seeds"])) for row in table1_rows(runs))
-    assert labels == [("-", (0,)), ("SDA", (0, 1)), ("SDA (snapshot synced at allocations only)", (0,))]
+    assert labels == [("-", (0,)), ("SDA", (0, 1)), ("SDA (snapshot never re-synced)", (2,)),
+                      ("SDA (snapshot synced at allocations only)", (0,))]
 
 
-def test_a_snapshot_not_synced_at_allocations_is_a_row_of_its_own():
-    """dream.sync_at_allocation off: the snapshot follows tau only; a results.json without the key
-    was synced at its allocations (the default), and the setting names no row without D."""
-    runs = [dict(_results("SDA", 0), sync_at_allocation=True), _results("SDA", 1),
-            dict(_results("SDA", 0), sync_at_allocation=False), dict(_results("-", 0), sync_at_allocation=False)]
+def test_a_snapshot_also_synced_at_allocations_is_a_row_of_its_own():
+    """dream.sync_at_allocation on, or a results.json without it (made when every allocation re-synced
+    the snapshot): a row of its own; the setting names no row without D and S."""
+    unrecorded = {k: v for k, v in _results("SDA", 1).items() if k != "sync_at_allocation"}
+    runs = [_results("SDA", 0), _results("SDA", 1), dict(_results("SDA", 0), sync_at_allocation=True), unrecorded,
+            dict(_results("D", 0), sync_at_allocation=True), _results("-", 0)]
     labels = sorted((row["ablation"], tuple(row["seeds"])) for row in table1_rows(runs))
-    assert labels == [("-", (0,)), ("SDA", (0, 1)), ("SDA (snapshot synced every tau only)", (0,))]
+    assert labels == [("-", (0,)), ("D", (0,)), ("SDA", (0, 1)), ("SDA (snapshot also synced at allocations)", (0, 1))]
 
 
 def test_runs_of_another_capacity_ramp_are_another_table():

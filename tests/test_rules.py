@@ -272,12 +272,14 @@ def test_without_refuses_a_rule_the_set_does_not_have():
 
 
 def test_table1_names_the_rules_a_run_left_out():
-    today = {"ablation": "SDA", "rules": "vase", "capacity_form": "squared", "pending_batches_train": False}
+    today = {"ablation": "SDA", "rules": "vase", "capacity_form": "squared", "pending_batches_train": False,
+             "sync_at_allocation": False}
     assert row_label({**today, "rules_without": ["settling"]}) == "SDA (without settling)"
     assert row_label(today) == "SDA"
-    trained = {"ablation": "SDA", "pending_batches_train": True}
+    trained = {"ablation": "SDA", "pending_batches_train": True, "sync_at_allocation": False}
     assert row_label(trained) == "SDA (pending batches trained)"
-    assert row_label({"ablation": "SDA"}) == "SDA (pending batches trained)"  # a results.json without the field
+    assert row_label({"ablation": "SDA"}) == (  # a results.json without the fields
+        "SDA (snapshot also synced at allocations, pending batches trained)")
     assert row_label({**trained, "ablation": "DA"}) == "DA"  # without S nothing is pending
     assert row_label({**trained, "rules_without": ["frozen_while_pending"]}) == "SDA (without frozen_while_pending)"
     heavier = {**today, "dream_weights": [1.0, 10.0]}

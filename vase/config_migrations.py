@@ -70,6 +70,7 @@ MIGRATIONS: dict[str, Migration] = {
     "objective.new_env_ramp_steps": added(0),  # every environment met C(t) at once
     "objective.fresh_aggregate_weight": added(0.0),  # no fresh-latent penalty
     "objective.capacity_form": added("absolute"),  # the CCI-VAE's |KL - C|
+    "dream.sync_at_allocation": added(True),  # the snapshot was re-synced at every allocation
     # Rules pruned for want of a failure they fix (docs/method.md, rules beyond eq. 6).
     "objective.aggregate_weight": removed("objective.aggregate_weight", 0.0),
     "inference.probation_relies_on_past_usage": removed("inference.probation_relies_on_past_usage", False),

@@ -146,9 +146,10 @@ class DreamConfig:
     enabled: bool = True
     decoder_term: bool = True  # False gives the SD-[41] variant
     snapshot_every: int = 1000  # tau [paper: a hyperparameter; value ours]
-    # [ours] Also re-sync the snapshot when a new environment is allocated. Off, the snapshot is
-    # re-synced every tau steps only, as in §3.5 (docs/method.md, "The snapshot at an arrival").
-    sync_at_allocation: bool = True
+    # [ours] Also re-sync the snapshot when a new environment is allocated. Off (the default), the
+    # snapshot is re-synced every tau steps only, as in §3.5: the sync at an allocation kept what the
+    # new environment's first batches did to an old slot (docs/method.md, "The snapshot at an arrival").
+    sync_at_allocation: bool = False
     batch_size: int = 32
     # Weights of eq. 7's two terms [ours; unpublished]. A decoder weight of 10 makes the older
     # slots forget less, but a slot that keeps its data well also accepts new data: on the digits

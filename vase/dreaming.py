@@ -59,8 +59,8 @@ class Snapshot:
 
 class Dreaming:
     """D on: each step dreams of the environments the inference names, from the snapshot, which is
-    re-synced every tau steps (paper §3.5) and, with dream.sync_at_allocation, when a new environment
-    is allocated [ours], so the old environments are dreamt by the model that knew them last."""
+    re-synced every tau steps (paper §3.5), and also when a new environment is allocated with
+    dream.sync_at_allocation [ours, off by default: docs/method.md, "The snapshot at an arrival"]."""
 
     def __init__(self, cfg: DreamConfig, snapshot: Snapshot):
         self.cfg, self.snapshot = cfg, snapshot

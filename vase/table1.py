@@ -36,8 +36,8 @@ def row_label(result: dict) -> str:
     """A Table 1 row's name: the ablation, the rule set where inference runs with another than the
     default (`inference.rules`), the capacity term where results.json says it was the absolute
     value rather than eq. 8's square (`objective.capacity_form`), a snapshot that tau never
-    re-syncs within the run (`dream.snapshot_every`), a snapshot not re-synced at allocations
-    (`dream.sync_at_allocation`), eq. 7's weights where they are not 1
+    re-syncs within the run (`dream.snapshot_every`), a snapshot also re-synced at allocations
+    (`dream.sync_at_allocation`; a results.json without it is such a run), eq. 7's weights where they are not 1
     (`dream.encoder_weight`, `dream.decoder_weight`), and pending batches that trained although
     frozen_while_pending was in the set (results.json's `pending_batches_train`; a results.json
     without it is such a run)."""
@@ -46,10 +46,12 @@ def row_label(result: dict) -> str:
     notes += [f"without {name}" for name in result.get("rules_without", [])]
     if result.get("mode") != "entangled" and result.get("capacity_form") == "absolute":
         notes.append("absolute capacity term")
-    if "D" in result["ablation"] and result.get("snapshot_every", 0) >= sum(result.get("steps_per_env") or [0]) > 0:
-        notes.append("snapshot synced at allocations only")  # tau (eq. 7) longer than the run
-    if "D" in result["ablation"] and not result.get("sync_at_allocation", True):
-        notes.append("snapshot synced every tau only")
+    if "D" in result["ablation"]:
+        at_allocations = "S" in result["ablation"] and result.get("sync_at_allocation", True)
+        if result.get("snapshot_every", 0) >= sum(result.get("steps_per_env") or [0]) > 0:  # tau longer than the run
+            notes.append("snapshot synced at allocations only" if at_allocations else "snapshot never re-synced")
+        elif at_allocations:
+            notes.append("snapshot also synced at allocations")
     encoder_weight, decoder_weight = result.get("dream_weights", (1.0, 1.0))
     if "D" in result["ablation"] and (encoder_weight, decoder_weight) != (1.0, 1.0):
         notes.append(f"eq. 7 weights {encoder_weight:g} / {decoder_weight:g}")
