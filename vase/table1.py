@@ -37,8 +37,8 @@ def row_label(result: dict) -> str:
     default (`inference.rules`), the capacity term where results.json says it was the absolute
     value rather than eq. 8's square (`objective.capacity_form`), a snapshot that tau never
     re-syncs within the run (`dream.snapshot_every`), a snapshot also re-synced at allocations
-    (`dream.sync_at_allocation`; a results.json without it is such a run), eq. 7's weights where they are not 1
-    (`dream.encoder_weight`, `dream.decoder_weight`), and pending batches that trained although
+    (`dream.sync_at_allocation`; a results.json without it is such a run), eq. 7's weights where
+    they are not 1 (`dream.encoder_weight`, `dream.decoder_weight`), and pending batches that trained although
     frozen_while_pending was in the set (results.json's `pending_batches_train`; a results.json
     without it is such a run)."""
     rules = result.get("rules", "vase")
