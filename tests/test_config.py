@@ -76,6 +76,7 @@ def test_a_run_made_before_sync_at_allocation_existed_resumes_synced_at_its_allo
     ("objective.aggregate_weight", 0.0, 0.5),
     ("inference.probation_relies_on_past_usage", False, True),
     ("train.reset_optimizer_at_allocation", False, True),
+    ("train.max_grad_norm", 0.0, 10000.0),
 ])
 def test_a_run_made_with_a_removed_setting_resumes_only_where_it_changed_nothing(tmp_path, path, inert, other):
     from vase.errors import ConfigError

@@ -449,35 +449,3 @@ def test_tau_re_syncs_the_snapshot_without_sync_at_allocation():
         lrn.training_step(squares(16, gen, 0))
     snap, model = lrn.snapshot.state_dict(), lrn.model.state_dict()
     assert all(torch.equal(snap[k], model[k]) for k in snap)
-
-
-def gradients_at_adams_step(lrn, x):
-    """The model's gradient as Adam's step receives it, on one training step of x."""
-    seen, step = [], lrn.optimizer.step
-
-    def recording_step(*args, **kwargs):
-        seen.extend(p.grad.detach().clone() for p in lrn.model.parameters() if p.grad is not None)
-        return step(*args, **kwargs)
-
-    lrn.optimizer.step = recording_step
-    lrn.training_step(x)
-    return seen
-
-
-def test_max_grad_norm_scales_the_gradient_to_that_norm_and_keeps_its_direction():
-    x = squares(16, torch.Generator().manual_seed(0), 0)
-    free = gradients_at_adams_step(learner("SDA"), x)
-    norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in free])))
-    limit = norm / 4
-    clipped = gradients_at_adams_step(learner("SDA", [f"train.max_grad_norm={limit}"]), x)
-    assert float(torch.linalg.vector_norm(torch.stack([g.norm() for g in clipped]))) == pytest.approx(limit, rel=1e-4)
-    assert all(torch.allclose(c, f * (limit / norm), rtol=1e-4, atol=1e-9) for c, f in zip(clipped, free))
-    # Above the gradient's norm nothing changes, bit for bit.
-    loose = gradients_at_adams_step(learner("SDA", [f"train.max_grad_norm={norm * 4}"]), x)
-    assert all(torch.equal(a, b) for a, b in zip(loose, free))
-
-
-def test_max_grad_norm_must_not_be_negative():
-    from vase.errors import ConfigError
-    with pytest.raises(ConfigError, match="train.max_grad_norm"):
-        build_config("cpu", ["train.max_grad_norm=-1"]).validate()

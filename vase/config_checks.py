@@ -25,8 +25,6 @@ def problems(cfg: Config) -> list[str]:
         errs.append("dream.batch_size must be positive")
     if cfg.model.k_max < 1:
         errs.append("model.k_max must be at least 1")
-    if cfg.train.max_grad_norm < 0:
-        errs.append("train.max_grad_norm must be >= 0 (0 = no clipping)")
     if cfg.objective.gamma < 0:
         errs.append("objective.gamma must be >= 0")
     if cfg.objective.fresh_aggregate_weight < 0:

@@ -76,6 +76,7 @@ MIGRATIONS: dict[str, Migration] = {
     "inference.probation_relies_on_past_usage": removed("inference.probation_relies_on_past_usage", False),
     # Measured and rejected (docs/method.md, "The optimiser at an arrival").
     "train.reset_optimizer_at_allocation": removed("train.reset_optimizer_at_allocation", False),
+    "train.max_grad_norm": removed("train.max_grad_norm", 0.0),
     # Held out by frozen_while_pending (docs/method.md, "The pending batches at an arrival").
     "inference.pending_batches_train": removed("inference.pending_batches_train", False, acted=holds_pending_batches),
     "inference.relied_kl": dropped,  # foreign_latents

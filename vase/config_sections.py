@@ -172,10 +172,6 @@ class ImaginationConfig:
 class TrainConfig:
     batch_size: int = 64
     lr: float = 5e-4  # Adam [related: Burgess et al.]
-    # Clip the model's gradient to this global norm before Adam's step; 0 = off. Eq. 8's squared
-    # capacity term gives a batch far above C(t) a gradient 10-200 times the usual norm, and Adam
-    # then moves every weight its largest step (docs/method.md, "The optimiser at an arrival").
-    max_grad_norm: float = 0.0
     seed: int = 0
     threads: int = 0  # torch threads; 0 = library default
     # Arithmetic of the forward passes: "fp32", or "bf16" autocast (losses stay float32). Measured

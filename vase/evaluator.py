@@ -272,7 +272,6 @@ class Evaluator(Callback):
             "snapshot_every": cfg.dream.snapshot_every,
             "sync_at_allocation": cfg.dream.sync_at_allocation,
             "dream_weights": [cfg.dream.encoder_weight, cfg.dream.decoder_weight],
-            "max_grad_norm": cfg.train.max_grad_norm,
             "pending_batches_train": "frozen_while_pending" not in rules.chosen(cfg),
             "mode": cfg.objective.mode,
             "preset": cfg.preset,

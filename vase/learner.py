@@ -291,17 +291,8 @@ class Learner:
         values = dict(zip(losses, readings))
         self._check_finite(values, readings[-1])
         if learn:
-            self._clip(norm)
             self.optimizer.step()
         return values
-
-    def _clip(self, norm: torch.Tensor) -> None:
-        """train.max_grad_norm: scale the model's gradient to at most that global norm, on the device
-        (no host read), so a step's size is bounded whatever eq. 8's capacity term asks."""
-        limit = self.cfg.train.max_grad_norm
-        if limit > 0:
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            torch._foreach_mul_(grads, (limit / (norm + 1e-6)).clamp(max=1.0))
 
     def _gradient_norm(self) -> torch.Tensor:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]

@@ -38,8 +38,7 @@ def row_label(result: dict) -> str:
     value rather than eq. 8's square (`objective.capacity_form`), a snapshot that tau never
     re-syncs within the run (`dream.snapshot_every`), a snapshot also re-synced at allocations
     (`dream.sync_at_allocation`; a results.json without it is such a run), eq. 7's weights where
-    they are not 1 (`dream.encoder_weight`, `dream.decoder_weight`), a gradient clipped to a norm
-    (`train.max_grad_norm`; a results.json without it is an unclipped run), and pending batches that trained although
+    they are not 1 (`dream.encoder_weight`, `dream.decoder_weight`), and pending batches that trained although
     frozen_while_pending was in the set (results.json's `pending_batches_train`; a results.json
     without it is such a run)."""
     rules = result.get("rules", "vase")
@@ -56,8 +55,6 @@ def row_label(result: dict) -> str:
     encoder_weight, decoder_weight = result.get("dream_weights", (1.0, 1.0))
     if "D" in result["ablation"] and (encoder_weight, decoder_weight) != (1.0, 1.0):
         notes.append(f"eq. 7 weights {encoder_weight:g} / {decoder_weight:g}")
-    if result.get("max_grad_norm", 0.0) > 0:
-        notes.append(f"gradient clipped to {result['max_grad_norm']:g}")
     in_set = "frozen_while_pending" not in result.get("rules_without", [])
     if "S" in result["ablation"] and in_set and result.get("pending_batches_train", True):
         notes.append("pending batches trained")
