@@ -157,6 +157,6 @@ def test_a_run_made_with_a_deleted_rule_loads_without_its_settings(tmp_path):
     saved["inference"].update(relied_kl=1.0, foreign_use=0.5)  # foreign_latents, deleted
     (tmp_path / "config.json").write_text(json.dumps(saved))
     assert load_run_config(tmp_path) == build_config("cpu")
-    saved["inference"]["without"] = ["ranked_fallback", "settling", "current_first", "resettling"]
+    saved["inference"]["without"] = ["ranked_fallback", "settling", "current_first", "resettling", "probation"]
     (tmp_path / "config.json").write_text(json.dumps(saved))
     assert load_run_config(tmp_path).inference.without == ["settling"]

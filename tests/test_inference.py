@@ -1,5 +1,4 @@
 """S: the decision rule of eq. 6 on hand-made inputs."""
-import io
 
 import pytest
 import torch
@@ -133,30 +132,13 @@ def _switch_back_into_env_0(cooldown):
     return inf, slots, before
 
 
-@pytest.mark.parametrize("left_after, restored", [(5, True), (30, False)])
-def test_a_past_environment_left_within_the_cooldown_of_a_switch_gets_its_statistics_back(left_after, restored):
-    """Rule 12: no environment lasts less than `cooldown` steps, so a switch into a past
-    environment that the stream leaves sooner was a mistake, and what its batches wrote into that
-    environment's L_s, usage and mask is undone. After the cooldown it is that environment's data."""
+def test_a_past_environment_left_soon_after_a_switch_keeps_what_its_batches_wrote():
+    """Eq. 6 as printed: a batch trained in a past environment updates that environment's L_s,
+    usage and mask, and leaving it again undoes nothing."""
     inf, slots, (error, usage, alpha) = _switch_back_into_env_0(cooldown=20)
-    d = decide(inf, slots, 60 + left_after, 10_000.0, info=torch.tensor([0.0, 0.0, 0.0, 2.0]))
+    d = decide(inf, slots, 65, 10_000.0, info=torch.tensor([0.0, 0.0, 0.0, 2.0]))
     assert (d.verdict, d.env) == ("new", 2)
-    assert d.restored == (0 if restored else None)
-    assert torch.equal(slots[0].usage, usage) == restored
-    assert (slots[0].error == error) == restored
-    assert torch.equal(slots[0].alpha, alpha) == restored
-    assert inf.rule("probation").visit is None
-
-
-def test_probation_survives_a_checkpoint():
-    inf, slots, (error, usage, alpha) = _switch_back_into_env_0(cooldown=20)
-    resumed, resumed_slots = setup(patience=1, cooldown=20, k_max=4)
-    # Through the bytes a checkpoint holds, and the safe loader that reads them.
-    saved = io.BytesIO()
-    torch.save({"inference": inf.state_dict()}, saved)
-    state = torch.load(io.BytesIO(saved.getvalue()), weights_only=True)
-    resumed.load_state_dict(state["inference"])
-    d = decide(resumed, resumed_slots, 65, 10_000.0)
-    assert d.restored == 0 and torch.equal(resumed_slots[0].usage, usage) and torch.equal(resumed_slots[0].alpha, alpha)
+    assert slots[0].usage[3] == 2.0 and slots[0].error == 120.0
+    assert not torch.equal(slots[0].usage, usage) and not torch.equal(slots[0].alpha, alpha)
 
 

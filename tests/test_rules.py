@@ -96,18 +96,6 @@ def reading(alpha):
     return run
 
 
-def usage_of_env_0_left_after(steps):
-    def run(names):
-        inf = with_rules(names)
-        decide(inf, 0, 100.0)
-        decide(inf, 10, {0: 1000.0, 1: 100.0}, info=(0.0, 0.0, 1.0, 0.0))  # new env 1
-        assert decide(inf, 20, {0: 100.0, 1: 1000.0}).verdict == "switch"  # back into env 0
-        decide(inf, 21, {0: 120.0, 1: 1000.0}, info=(1.0, 1.0, 0.0, 2.0))  # trained in env 0
-        assert decide(inf, 20 + steps, 10_000.0).verdict == "new"  # the stream leaves env 0
-        return inf.slots[0].usage.tolist()
-    return run
-
-
 def verdict_with_a_masked_latent_smoothed_at(smoothed):
     def run(names):
         inf = with_rules(names)
@@ -156,7 +144,6 @@ CASES = {
     "smoothed_atypicality": (mask_after(3.0, 1.0, mask_ema=0.9), mask_after(0.0, 1.0, mask_ema=0.9), ()),
     "settling": (verdict_of(1000.0, step=1), verdict_of(1000.0, step=10), ()),
     "information": (reading(0.5), reading(0.0), ()),
-    "probation": (usage_of_env_0_left_after(3), usage_of_env_0_left_after(10), ()),
     "error_margin": (verdict_of(3.0, step=1, first=1.0), verdict_of(40.0, step=1, first=1.0), ()),
     "settled_masks": (verdict_with_a_masked_latent_smoothed_at(0.7), verdict_with_a_masked_latent_smoothed_at(2.0),
                       ()),
@@ -257,18 +244,18 @@ def test_a_rule_left_out_with_without_is_gone_and_its_setting_takes_the_printed_
     """inference.without drops named rules from the chosen set, for the one-rule-out runs that test
     whether the long regime still needs a rule."""
     cfg = case_config()
-    cfg.inference.without = ["error_margin", "probation"]
+    cfg.inference.without = ["error_margin", "information"]
     names = build(cfg).rule_names
-    assert "probation" not in names and "error_margin" not in names
-    assert set(names) == set(RULE_SETS["vase"]) - {"probation", "error_margin"}
+    assert "information" not in names and "error_margin" not in names
+    assert set(names) == set(RULE_SETS["vase"]) - {"information", "error_margin"}
     assert as_configured(cfg).inference.error_margin == 0.0  # eq. 6's kappa * L_s with no slack
     assert as_configured(case_config()).inference.error_margin == 25.0
 
 
 def test_without_refuses_a_rule_the_set_does_not_have():
-    with pytest.raises(ConfigError, match="does not have: probation"):
-        build_config("cpu", ["inference.rules=paper", "inference.without=probation"]).validate()
-    build_config("cpu", ["inference.without=probation,settling"]).validate()
+    with pytest.raises(ConfigError, match="does not have: information"):
+        build_config("cpu", ["inference.rules=paper", "inference.without=information"]).validate()
+    build_config("cpu", ["inference.without=information,settling"]).validate()
 
 
 def test_table1_names_the_rules_a_run_left_out():

@@ -39,7 +39,6 @@ class Decision:
     error: float = float("nan")  # reconstruction error under s_hat
     threshold: float = float("nan")  # kappa * L_s_hat (plus the error margin)
     disagreeing: list[int] = field(default_factory=list)  # latents whose mask test failed there
-    restored: int | None = None  # a past environment left while on probation: its statistics rolled back
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -243,12 +242,8 @@ class EnvironmentInference:
             self.pending = 0
             return Decision(step, self.current, predicted, "same")
         if verdict in ("same", "switch"):
-            restored = self.leave(env)
-            if verdict == "switch":
-                for hook in self.hooks["switched"]:
-                    hook(self, env, step)
             self.current, self.pending = env, 0
-            return Decision(step, env, predicted, verdict, *tested, restored)
+            return Decision(step, env, predicted, verdict, *tested)
         self.pending += 1
         if verdict == "pending":
             return Decision(step, self.current, predicted, "pending", *tested)
@@ -262,19 +257,10 @@ class EnvironmentInference:
                 self.full_warned = True
             self.pending = 0
             return Decision(step, self.current, predicted, "full", *tested)
-        restored = self.leave(self.n_envs)
         decision = self.allocate(step, self.n_envs, "new", tested[0])
         decision.predicted, decision.error, decision.threshold = predicted, tested[1], tested[2]
-        decision.disagreeing, decision.restored = tested[3], restored
+        decision.disagreeing = tested[3]
         return decision
-
-    def leave(self, env: int) -> int | None:
-        """The stream goes to env: the rules' `leaving` hooks; an environment they restored, if any."""
-        restored = None
-        for hook in self.hooks["leaving"]:
-            back = hook(self, env)
-            restored = back if back is not None else restored
-        return restored
 
     def allocate(self, step: int, env: int, verdict: str, reasons: list[str]) -> Decision:
         self.n_envs, self.current, self.pending = env + 1, env, 0

@@ -14,14 +14,12 @@ hooks at defined points (`Rule`). A rule acts in one of two ways:
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from vase import config
 from vase.masking import information
-from vase.slots import Slot, row
 
 if TYPE_CHECKING:
     from vase.inference import Decision, EnvironmentInference
@@ -56,13 +54,6 @@ class Rule:
         """The latents the mask test reads, (switched off by the batch, switched on by the batch);
         printed: the latents env or the batch uses, for both."""
         return scope
-
-    def leaving(self, inf: EnvironmentInference, env: int) -> int | None:
-        """The stream goes to env; returns an environment whose statistics were restored, if any."""
-        return None
-
-    def switched(self, inf: EnvironmentInference, env: int, step: int) -> None:
-        """The stream has switched back into the past environment env."""
 
     def allocated(self, inf: EnvironmentInference, env: int, step: int) -> None:
         """A new environment env has been allocated."""
@@ -171,55 +162,6 @@ class Information(Rule):
         return information(kl, alpha)
 
 
-@dataclass
-class Visit:
-    """A switch back into a past environment, and that slot as it was before the switch."""
-
-    env: int
-    since: int
-    slot: Slot
-
-
-class Probation(Rule):
-    """A switch back into a past environment that does not last `cooldown` steps is undone: that
-    slot's L_s, usage and mask are restored (no environment lasts less, so its batches were not
-    that environment's data; the weights they trained are not undone). Fixes: moving MNIST passed
-    moving Fashion's tests for a few batches, and Fashion's slot then listed MNIST's latents as its
-    own. Setting: `inference.cooldown`."""
-
-    name = "probation"
-    settings = ("inference.cooldown",)
-
-    def __init__(self):
-        self.visit: Visit | None = None
-
-    def begin(self, inf, step):
-        if self.visit is not None and step - self.visit.since >= inf.cfg.cooldown:
-            self.visit = None  # the switch back has lasted: it was right
-
-    def switched(self, inf, env, step):
-        self.visit = Visit(env, step, inf.slots[env].copy())
-
-    def leaving(self, inf, env):
-        visit = self.visit
-        if visit is None or visit.env == env:
-            return None
-        self.visit = None
-        inf.slots[visit.env] = visit.slot
-        return visit.env
-
-    def state_dict(self):
-        if self.visit is None:
-            return {"probation": None}
-        slot = self.visit.slot.copy()
-        return {"probation": {"env": self.visit.env, "since": self.visit.since, "slot": vars(slot)}}
-
-    def load_state_dict(self, d, device):
-        visit = d.get("probation")  # None, or absent from a checkpoint with no probation state
-        self.visit = None if visit is None else Visit(int(visit["env"]), int(visit["since"]),
-                                                      row(visit["slot"], None, device))
-
-
 class ErrorMargin(Rule):
     """The reconstruction threshold is kappa * L_s + margin. Fixes: static sprites are learnt to about
     1 nat, and kappa * L_s alone is batch noise (about 30 % of static shapes B's own batches were
@@ -295,7 +237,7 @@ class FreshLatentPenalty(Rule):
 
 RULES: dict[str, type[Rule]] = {rule.name: rule for rule in (
     Debouncing, FrozenWhilePending, Hysteresis, SmoothedAtypicality,
-    Settling, Information, Probation, ErrorMargin, SettledMasks,
+    Settling, Information, ErrorMargin, SettledMasks,
     OthersLatentsOnly, LearntLatentsOnly, OwnCapacityRamp, FreshLatentPenalty,
 )}
 RULE_SETS: dict[str, tuple[str, ...]] = {
@@ -305,8 +247,7 @@ RULE_SETS: dict[str, tuple[str, ...]] = {
 # The rules that act on a batch's verdict and on nothing else: for them, a run in which leaving one
 # out changes no verdict is the run without it (`inference.counterfactuals`).
 VERDICT_RULES = ("debouncing", "settling", "error_margin", "settled_masks")
-HOOKS = ("reading", "begin", "unjudged", "mask_scope", "leaving", "switched",
-         "allocated", "records", "learns", "maskable")
+HOOKS = ("reading", "begin", "unjudged", "mask_scope", "allocated", "records", "learns", "maskable")
 
 
 def build(names: tuple[str, ...], with_s: bool) -> list[Rule]:

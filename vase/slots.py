@@ -106,12 +106,4 @@ def from_split_layout(inference: dict, masks: dict) -> dict:
     new["slots"] = {"mask": masks["masks"], "alpha": masks["alpha"], "learnt": learnt,
                     "initialised": masks["initialised"], "error": inference["errors"], "usage": inference["usage"],
                     "recorded": inference["recorded"]}
-    probation = inference.get("probation")
-    if probation is not None:
-        mask = probation["mask"]
-        slot = {"mask": mask["mask"], "alpha": mask["alpha"],
-                "learnt": mask.get("learnt", torch.zeros_like(mask["mask"], dtype=torch.bool)),
-                "initialised": mask["initialised"], "error": probation["error"], "usage": probation["usage"],
-                "recorded": probation["recorded"]}
-        new["probation"] = {"env": probation["env"], "since": probation["since"], "slot": slot}
     return new

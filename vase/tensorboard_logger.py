@@ -22,12 +22,10 @@ TB_DIR = "tb"
 
 def describe_decision(d) -> str:
     """An allocation or switch in one line: why it was taken and which tests failed where."""
-    restored = "" if d.restored is None else \
-        f"; environment {d.restored} was left on probation and its statistics restored"
     return (
         f"step {d.step}: {d.verdict} -> environment {d.env} (predicted {d.predicted}; "
         f"failed on: {', '.join(d.reasons) or '-'}; error {d.error:.1f} vs threshold {d.threshold:.1f}; "
-        f"mask or usage disagreed on latents {d.disagreeing or '-'}{restored})"
+        f"mask or usage disagreed on latents {d.disagreeing or '-'})"
     )
 
 
