@@ -346,39 +346,40 @@ def same_state(a, b) -> bool:
     return a == b
 
 
-def test_a_checkpoint_with_the_masks_apart_from_the_slots_resumes_bit_for_bit():
-    extra = ["inference.patience=1", "inference.cooldown=3"]
-    lrn = learner("SDA", extra)
+CHECKPOINTED = ["inference.patience=1", "inference.cooldown=3"]
+
+
+def state_after_eight_steps():
+    """A learner's state after 8 steps of alternating squares, and the 2 batches that follow."""
+    lrn = learner("SDA", CHECKPOINTED)
     gen = torch.Generator().manual_seed(0)
     xs = [squares(16, gen, i // 4 % 2) for i in range(10)]
     for x in xs[:8]:
         lrn.training_step(x)
-    state = copy.deepcopy(lrn.state_dict())
+    return copy.deepcopy(lrn.state_dict()), xs[8:]
+
+
+def test_a_checkpoint_with_the_masks_apart_from_the_slots_resumes_bit_for_bit():
+    state, rest = state_after_eight_steps()
     assert "masks" not in state
-    resumed, migrated = learner("SDA", extra), learner("SDA", extra)
+    resumed, migrated = learner("SDA", CHECKPOINTED), learner("SDA", CHECKPOINTED)
     resumed.load_state_dict(copy.deepcopy(state))
     migrated.load_state_dict(_split_layout(copy.deepcopy(state)))
     assert same_state(resumed.inference.state_dict(), migrated.inference.state_dict())
-    assert [resumed.training_step(x).losses for x in xs[8:]] == [migrated.training_step(x).losses for x in xs[8:]]
+    assert [resumed.training_step(x).losses for x in rest] == [migrated.training_step(x).losses for x in rest]
 
 
 def test_a_checkpoint_with_a_probation_visit_resumes_without_it():
     """A checkpoint that holds the state of `probation`, a rule vase does not have (docs/method.md,
     rules beyond eq. 6), resumes as the run of today's set from that state."""
-    extra = ["inference.patience=1", "inference.cooldown=3"]
-    lrn = learner("SDA", extra)
-    gen = torch.Generator().manual_seed(0)
-    xs = [squares(16, gen, i // 4 % 2) for i in range(10)]
-    for x in xs[:8]:
-        lrn.training_step(x)
-    state = copy.deepcopy(lrn.state_dict())
-    slot = {k: v.clone() for k, v in state["inference"]["slots"].items()}
+    state, rest = state_after_eight_steps()
     with_visit = copy.deepcopy(state)
+    slot = {k: v.clone() for k, v in state["inference"]["slots"].items()}
     with_visit["inference"]["probation"] = {"env": 0, "since": 7, "slot": slot}
-    resumed, visited = learner("SDA", extra), learner("SDA", extra)
+    resumed, visited = learner("SDA", CHECKPOINTED), learner("SDA", CHECKPOINTED)
     resumed.load_state_dict(state)
     visited.load_state_dict(with_visit)
-    assert [resumed.training_step(x).losses for x in xs[8:]] == [visited.training_step(x).losses for x in xs[8:]]
+    assert [resumed.training_step(x).losses for x in rest] == [visited.training_step(x).losses for x in rest]
 
 
 def test_counting_counterfactuals_trains_the_same_bits():
