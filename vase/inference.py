@@ -232,8 +232,6 @@ class EnvironmentInference:
         if self.n_envs == 0:
             return self.allocate(step, 0, "first", [])
         predicted = self.predict(probs)
-        for hook in self.hooks["begin"]:
-            hook(self, step)
         args = (predicted, alpha, usage, error_under)
         verdict, env, tested = self.judge(step, *args)
         if self.shadows:

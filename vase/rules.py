@@ -42,9 +42,6 @@ class Rule:
         """A batch's per-latent use, from its mean KL and atypicality (eq. 4); printed: the KL."""
         return usage
 
-    def begin(self, inf: EnvironmentInference, step: int) -> None:
-        """Called first on every batch judged by eq. 6 once an environment exists."""
-
     def unjudged(self, inf: EnvironmentInference, step: int) -> bool:
         """True: the batch trains in the current environment without being judged."""
         return False
@@ -247,7 +244,7 @@ RULE_SETS: dict[str, tuple[str, ...]] = {
 # The rules that act on a batch's verdict and on nothing else: for them, a run in which leaving one
 # out changes no verdict is the run without it (`inference.counterfactuals`).
 VERDICT_RULES = ("debouncing", "settling", "error_margin", "settled_masks")
-HOOKS = ("reading", "begin", "unjudged", "mask_scope", "allocated", "records", "learns", "maskable")
+HOOKS = ("reading", "unjudged", "mask_scope", "allocated", "records", "learns", "maskable")
 
 
 def build(names: tuple[str, ...], with_s: bool) -> list[Rule]:

@@ -7,7 +7,6 @@ of a learner, with their checkpoint layout.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -33,9 +32,6 @@ class Slot:
         zeros = torch.zeros(latents, device=device)
         return cls(torch.ones(latents, device=device), zeros, torch.zeros(latents, dtype=torch.bool, device=device),
                    torch.zeros((), device=device), zeros.clone())
-
-    def copy(self) -> Slot:
-        return dataclasses.replace(self, **{name: getattr(self, name).clone() for name in TENSORS})
 
     def start(self, alpha: torch.Tensor, mask: torch.Tensor) -> None:
         """A newly allocated environment takes the batch's alpha and its mask from that batch (eq. 5)."""
@@ -91,10 +87,9 @@ class Slots:
 
 
 def row(d: dict, s: int, device: torch.device) -> Slot:
-    """Slot s of a stacked state dict (`Slots.state_dict`); a single slot's dict when s is None."""
-    pick = (lambda v: v) if s is None else (lambda v: v[s])
-    tensors = {name: pick(d[name]).to(device, copy=True) for name in TENSORS}
-    return Slot(**tensors, **{name: bool(pick(d[name])) for name in FLAGS})
+    """Slot s of a stacked state dict (`Slots.state_dict`)."""
+    return Slot(**{name: d[name][s].to(device, copy=True) for name in TENSORS},
+                **{name: bool(d[name][s]) for name in FLAGS})
 
 
 def from_split_layout(inference: dict, masks: dict) -> dict:
