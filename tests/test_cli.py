@@ -40,7 +40,8 @@ RESULT_KEYS = {
     "ablation", "mode", "preset", "sequence", "steps_per_env", "seed", "steps", "wall_time_s",
     "environments_inferred", "environments_true", "inferred_vs_true", "inference_events", "pending_batches",
     "final_masks", "heldout_reconstruction_matrix", "cross_domain_errors", "latent_use", "disentanglement", "probes",
-    "weight_gradients", "device", "rules", "rules_without", "capacity_form", "snapshot_every", "sync_at_allocation",
+    "weight_gradients", "device", "rules", "rules_without", "rule_names", "capacity_form", "snapshot_every",
+    "sync_at_allocation",
 }
 
 

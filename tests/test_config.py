@@ -113,6 +113,33 @@ def test_a_run_whose_pending_batches_trained_is_refused_where_the_rule_now_holds
     assert "pending_batches_train" not in migrate(saved)["inference"]
 
 
+@pytest.mark.parametrize("change, refused", [
+    ({}, True), ({"ablation": "A", "inference.enabled": False}, False), ({"objective.mode": "entangled"}, False),
+    ({"inference.rules": "paper"}, False), ({"inference.without": ["own_capacity_ramp", "settling"]}, False),
+])
+def test_a_run_made_with_the_own_capacity_ramp_is_refused_where_it_acted(change, refused):
+    """objective.new_env_ramp_steps, removed with the rule own_capacity_ramp: a run whose new
+    environments ramped their own target cannot be reproduced; with S off, the entangled objective,
+    the paper set or the rule left out, the setting changed nothing, and the run reads as today's."""
+    saved = json.loads(build_config("cpu").to_json())
+    saved["objective"]["new_env_ramp_steps"] = 1000
+    for path, value in change.items():
+        if "." in path:
+            section, key = path.split(".")
+            saved[section][key] = value
+        else:
+            saved[path] = value
+    if refused:
+        with pytest.raises(ConfigError, match="objective.new_env_ramp_steps=1000, a setting vase no longer has"):
+            migrate(saved)
+        assert "new_env_ramp_steps" not in migrate(saved, trains=False)["objective"]
+    else:
+        out = migrate(saved)
+        assert "new_env_ramp_steps" not in out["objective"] and "own_capacity_ramp" not in out["inference"]["without"]
+    saved["objective"]["new_env_ramp_steps"] = 0  # eq. 3's C(t): what runs without the rule did
+    assert "new_env_ramp_steps" not in migrate(saved)["objective"]
+
+
 @pytest.mark.parametrize("assignment, field, value", [
     ("data.sequence=moving_fashion, mnist ,moving_mnist", "sequence", ["moving_fashion", "mnist", "moving_mnist"]),
     ("data.sequence=shapes_a", "sequence", ["shapes_a"]),
@@ -157,6 +184,7 @@ def test_a_run_made_with_a_deleted_rule_loads_without_its_settings(tmp_path):
     saved["inference"].update(relied_kl=1.0, foreign_use=0.5)  # foreign_latents, deleted
     (tmp_path / "config.json").write_text(json.dumps(saved))
     assert load_run_config(tmp_path) == build_config("cpu")
-    saved["inference"]["without"] = ["ranked_fallback", "settling", "current_first", "resettling", "probation"]
+    saved["inference"]["without"] = ["ranked_fallback", "settling", "current_first", "resettling", "probation",
+                                     "own_capacity_ramp"]
     (tmp_path / "config.json").write_text(json.dumps(saved))
     assert load_run_config(tmp_path).inference.without == ["settling"]

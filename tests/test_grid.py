@@ -138,8 +138,8 @@ def test_plan_tells_new_resumed_and_finished_runs_apart_and_refuses_foreign_ones
     assert (stray / "notes.txt").read_text() == "mine"
 
 
-def _forget_ramp(saved):  # written before objective.new_env_ramp_steps existed: loaded with 0
-    del saved["objective"]["new_env_ramp_steps"]
+def _forget_fresh_penalty(saved):  # written before objective.fresh_aggregate_weight existed: loaded with 0
+    del saved["objective"]["fresh_aggregate_weight"]
 
 
 def _heavier_decoder_weight(saved):  # written with --set dream.decoder_weight=10
@@ -147,8 +147,8 @@ def _heavier_decoder_weight(saved):  # written with --set dream.decoder_weight=1
 
 
 @pytest.mark.parametrize("age_config, difference", [
-    # With S off no environment is ever allocated, so the new ramp cannot act in "-"; in SDA it can.
-    (_forget_ramp, r"objective.new_env_ramp_steps: 0 -> 1000"),
+    # With S off no environment is ever allocated, so the fresh-latent penalty cannot act in "-"; in SDA it can.
+    (_forget_fresh_penalty, r"objective.fresh_aggregate_weight: 0.0 -> 1.0"),
     # Without dreams the decoder weight is never read; in SDA it is.
     (_heavier_decoder_weight, r"dream.decoder_weight: 10.0 -> 1.0"),
 ])
@@ -172,15 +172,15 @@ def test_older_runs_count_where_the_changed_setting_cannot_act(tmp_path, age_con
 
 
 def test_the_new_environment_settings_are_inert_exactly_where_no_environment_is_allocated_under_eq3():
-    for setting in ("objective.new_env_ramp_steps", "objective.fresh_aggregate_weight"):
-        inert = {
-            (row, mode): setting
-            in build_config("cpu", [] if mode == "disentangled" else ["objective.mode=entangled"], row).inert_settings()
-            for row in TABLE1_ROWS
-            for mode in ("disentangled", "entangled")
-        }
-        assert {key for key, value in inert.items() if not value} == {
-            (row, "disentangled") for row in ("S", "SA", "SD", "SDA", "SD-[41]")}, setting
+    setting = "objective.fresh_aggregate_weight"
+    inert = {
+        (row, mode): setting
+        in build_config("cpu", [] if mode == "disentangled" else ["objective.mode=entangled"], row).inert_settings()
+        for row in TABLE1_ROWS
+        for mode in ("disentangled", "entangled")
+    }
+    assert {key for key, value in inert.items() if not value} == {
+        (row, "disentangled") for row in ("S", "SA", "SD", "SDA", "SD-[41]")}
 
 
 def test_the_decoder_weight_is_inert_exactly_where_eq7s_decoder_term_is_off():
@@ -279,7 +279,8 @@ class FakeTraining:
             table1 = {"object_id_max": 0.5 + run.seed / 100, "object_id_change": -0.01, "position_min": 0.004,
                       "position_change": 0.0002}
             results = {"mode": run.mode, "ablation": run.row, "sequence": SEQUENCE.split(","), "seed": run.seed,
-                       "pending_batches_train": False, "sync_at_allocation": False, "environments_inferred": 2,
+                       "pending_batches_train": False, "sync_at_allocation": False, "rule_names": [],
+                       "environments_inferred": 2,
                        "probes": {"table1": table1},
                        "latent_use": [{"used_in_training": [0, 1], "informative": [0]}]}
             (run.run_dir / "results.json").write_text(json.dumps(results))

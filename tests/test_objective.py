@@ -8,7 +8,6 @@ import torch
 from vase.config import ObjectiveConfig, build_config, load_run_config
 from vase.objective import (
     capacity,
-    environment_capacity,
     kl_per_latent,
     masked_kl,
     masked_sample,
@@ -46,19 +45,6 @@ def test_capacity_schedule_is_linear_then_flat():
     assert capacity(100, cfg) == 25.0
     assert capacity(10_000, cfg) == 25.0
     assert capacity(7, ObjectiveConfig(capacity_ramp_steps=0, capacity_max=3.0)) == 3.0
-
-
-def test_a_new_environment_ramps_its_own_capacity_from_the_kl_it_carries():
-    cfg = ObjectiveConfig(capacity_max=25.0, capacity_ramp_steps=3000, new_env_ramp_steps=0, capacity_form="absolute")
-    assert environment_capacity(4500, (4000, 2.0), cfg) == 25.0  # off: C(t), eq. 3 read literally
-    cfg.new_env_ramp_steps = 1000
-    assert environment_capacity(4000, (4000, 2.0), cfg) == 2.0
-    assert environment_capacity(4500, (4000, 2.0), cfg) == pytest.approx(2.0 + 12.5)
-    assert environment_capacity(5000, (4000, 2.0), cfg) == 25.0  # never above C(t)
-    assert environment_capacity(2000, (1900, 30.0), cfg) == pytest.approx(25.0 * 2000 / 3000)
-    assert environment_capacity(300, None, cfg) == pytest.approx(2.5)  # the first environment: C(t)
-    recon, kl = torch.tensor([100.0]), torch.tensor([20.0])
-    assert float(mdl_loss(recon, kl, 14.5, cfg)) == pytest.approx(100.0 + 100.0 * 5.5)
 
 
 def test_mdl_loss_disentangled_and_entangled():
@@ -163,17 +149,6 @@ def test_a_masked_latent_that_drifted_to_overflow_adds_nothing_and_poisons_nothi
     assert torch.all(mu.grad[:, 1] == 0) and torch.all(logvar.grad[:, 1] == 0)
 
 
-def test_runs_from_before_the_new_environment_ramp_resume_without_it(tmp_path):
-    assert build_config("cpu").objective.new_env_ramp_steps == 1000
-    d = build_config("cpu").to_dict()
-    del d["objective"]["new_env_ramp_steps"]
-    (tmp_path / "config.json").write_text(json.dumps(d))
-    assert load_run_config(tmp_path).objective.new_env_ramp_steps == 0  # as they were trained
-    d["objective"]["new_env_ramp_steps"] = 1000
-    (tmp_path / "config.json").write_text(json.dumps(d))
-    assert load_run_config(tmp_path).objective.new_env_ramp_steps == 1000
-
-
 def test_runs_from_before_the_fresh_latent_penalty_resume_without_it(tmp_path):
     assert build_config("cpu").objective.fresh_aggregate_weight == 1.0
     d = build_config("cpu").to_dict()
@@ -227,13 +202,13 @@ def test_the_long_schedule_sets_the_lengths_together_and_overrides_win():
 
 
 def test_the_long_schedule_gives_the_first_stage_its_full_capacity():
-    """C(t) reaches C_max inside the first stage, and a new slot ramps at the first one's pace
-    (docs/method.md, the regime: a ramp longer than a stage left moving Fashion at 40 % of C_max)."""
+    """C(t) reaches C_max inside the first stage (docs/method.md, the regime: a ramp longer than a
+    stage left moving Fashion at 40 % of C_max)."""
     from vase.objective import capacity
 
     cfg = build_config("cpu", [], "SDA", "long")
     stage, ramp = cfg.data.steps_per_env[0], cfg.objective.capacity_ramp_steps
-    assert ramp < stage and cfg.objective.new_env_ramp_steps == ramp
+    assert ramp < stage
     assert float(capacity(stage - 1, cfg.objective)) == pytest.approx(cfg.objective.capacity_max)
 
 

@@ -26,7 +26,7 @@ def _results(ablation: str, seed: int, sequence=PAPER, id_change=-0.02) -> dict:
     """A results.json with what the markdown reads: slot 0 for the first environment, slot 1 after."""
     return {
         "mode": "disentangled", "ablation": ablation, "sequence": list(sequence), "seed": seed,
-        "pending_batches_train": False, "sync_at_allocation": False, "preset": "cpu",
+        "pending_batches_train": False, "sync_at_allocation": False, "rule_names": [], "preset": "cpu",
         "steps_per_env": [200] * len(sequence),
         "environments_inferred": 2, "environments_true": len(set(sequence)),
         "inferred_vs_true": [{"true_env": name, "inferred_env": min(i, 1)} for i, name in enumerate(sequence)],

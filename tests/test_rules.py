@@ -15,7 +15,7 @@ from vase.errors import ConfigError
 from vase.inference import MASK, SingleEnvironment, build
 from vase.learner import Learner
 from vase.masking import AllOnes
-from vase.objective import environment_capacity, mdl_loss
+from vase.objective import mdl_loss
 from vase.rules import HOOKS, RULE_SETS, RULES, Rule, as_configured
 from vase.table1 import row_label
 
@@ -123,12 +123,6 @@ def maskable_of_one_slot(learnt):
     return run
 
 
-def capacity_of(start):
-    def run(names):
-        return environment_capacity(3000, start, objective(names))
-    return run
-
-
 def mdl_with(**penalty):
     def run(names):
         return float(mdl_loss(torch.tensor([10.0]), torch.tensor([5.0]), 5.0, objective(names), **penalty))
@@ -149,7 +143,6 @@ CASES = {
                       ()),
     "others_latents_only": (maskable_in_env_1((2.0, 0.0, 0.0, 0.0)), maskable_in_env_1((2.0, 2.0, 2.0, 2.0)), ()),
     "learnt_latents_only": (maskable_of_one_slot([False, True, False, False]), maskable_of_one_slot([True] * 4), ()),
-    "own_capacity_ramp": (capacity_of((2990, 5.0)), capacity_of(None), ()),
     "fresh_latent_penalty": (mdl_with(fresh_atypical=torch.tensor(2.0)), mdl_with(), ()),
 }
 
@@ -252,6 +245,22 @@ def test_a_rule_left_out_with_without_is_gone_and_its_setting_takes_the_printed_
     assert as_configured(case_config()).inference.error_margin == 25.0
 
 
+def test_table1_names_the_deleted_own_capacity_ramp_where_an_older_run_used_it():
+    """A results.json without `rule_names` was written while the vase set held own_capacity_ramp: the
+    row says so where the rule acted (S on, the capacity objective, the vase set, not left out), and a
+    run left without it is today's set."""
+    older = {"ablation": "SDA", "rules": "vase", "capacity_form": "squared", "pending_batches_train": False,
+             "sync_at_allocation": False, "rules_without": []}
+    assert row_label(older) == "SDA (with own_capacity_ramp)"
+    assert row_label({**older, "rules_without": ["own_capacity_ramp"]}) == "SDA"
+    assert row_label({**older, "rules_without": ["own_capacity_ramp", "settling"]}) == "SDA (without settling)"
+    assert row_label({**older, "rules": "paper"}) == "SDA (paper rules)"
+    assert row_label({**older, "mode": "entangled"}) == "SDA"
+    assert row_label({**older, "ablation": "DA"}) == "DA"
+    assert row_label({**older, "rule_names": ["debouncing", "own_capacity_ramp"]}) == "SDA (with own_capacity_ramp)"
+    assert row_label({**older, "rule_names": list(RULE_SETS["vase"])}) == "SDA"
+
+
 def test_without_refuses_a_rule_the_set_does_not_have():
     with pytest.raises(ConfigError, match="does not have: information"):
         build_config("cpu", ["inference.rules=paper", "inference.without=information"]).validate()
@@ -260,13 +269,13 @@ def test_without_refuses_a_rule_the_set_does_not_have():
 
 def test_table1_names_the_rules_a_run_left_out():
     today = {"ablation": "SDA", "rules": "vase", "capacity_form": "squared", "pending_batches_train": False,
-             "sync_at_allocation": False}
+             "sync_at_allocation": False, "rule_names": list(RULE_SETS["vase"])}
     assert row_label({**today, "rules_without": ["settling"]}) == "SDA (without settling)"
     assert row_label(today) == "SDA"
-    trained = {"ablation": "SDA", "pending_batches_train": True, "sync_at_allocation": False}
+    trained = {"ablation": "SDA", "pending_batches_train": True, "sync_at_allocation": False, "rule_names": []}
     assert row_label(trained) == "SDA (pending batches trained)"
     assert row_label({"ablation": "SDA"}) == (  # a results.json without the fields
-        "SDA (snapshot also synced at allocations, pending batches trained)")
+        "SDA (with own_capacity_ramp, snapshot also synced at allocations, pending batches trained)")
     assert row_label({**trained, "ablation": "DA"}) == "DA"  # without S nothing is pending
     assert row_label({**trained, "rules_without": ["frozen_while_pending"]}) == "SDA (without frozen_while_pending)"
     heavier = {**today, "dream_weights": [1.0, 10.0]}

@@ -77,15 +77,14 @@ class Config:
     def inert_settings(self) -> set[str]:
         """Settings this config's training never reads, so two runs differing only there train alike.
 
-        A new environment's capacity ramp acts only at an allocation (S on) and only on the
-        capacity target, which the entangled objective does not have. A grid over runs made before
-        the setting existed (loaded with 0) then still accepts the rows it cannot have changed.
+        The fresh-latent penalty acts only in an environment allocated after the first (S on) and
+        only on the capacity objective, not the entangled one. A grid over runs made before the
+        setting existed (loaded with 0) then still accepts the rows it cannot have changed.
         Likewise eq. 7's decoder weight acts only with dreams and their decoder term (not in "-",
         S, A, SA or SD-[41]), and the snapshot's sync at an allocation only with D and S."""
         inert = set()
         if not self.inference.enabled or self.objective.mode == "entangled":
-            # Both act only in an environment allocated after the first, on the capacity objective.
-            inert |= {"objective.new_env_ramp_steps", "objective.fresh_aggregate_weight"}
+            inert.add("objective.fresh_aggregate_weight")
         if not (self.dream.enabled and self.dream.decoder_term):
             inert.add("dream.decoder_weight")
         if not (self.dream.enabled and self.inference.enabled):  # no snapshot, or no allocation

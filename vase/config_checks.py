@@ -46,8 +46,6 @@ def problems(cfg: Config) -> list[str]:
         errs.append("objective.mode must be 'disentangled' or 'entangled'")
     if cfg.objective.capacity_ramp_steps < 0:
         errs.append("objective.capacity_ramp_steps must be >= 0")
-    if cfg.objective.new_env_ramp_steps < 0:
-        errs.append("objective.new_env_ramp_steps must be >= 0")
     if not 0.0 <= cfg.mask.ema < 1.0 or not 0.0 <= cfg.inference.error_ema < 1.0:
         errs.append("mask.ema and inference.error_ema must be in [0, 1)")
     if cfg.inference.kappa <= 0 or cfg.inference.error_margin < 0:

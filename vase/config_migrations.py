@@ -46,7 +46,8 @@ def dropped(saved: Any, config: dict[str, Any]) -> Any:
 
 # Rules deleted because no run we measured needed them: they changed no verdict, or the runs without
 # them were the runs with them (docs/method.md, rules beyond eq. 6).
-DELETED_RULES = ("current_first", "foreign_latents", "ranked_fallback", "resettling", "probation")
+DELETED_RULES = ("current_first", "foreign_latents", "ranked_fallback", "resettling", "probation",
+                 "own_capacity_ramp")
 
 
 def without_deleted_rules(saved: Any, config: dict[str, Any]) -> Any:
@@ -59,6 +60,19 @@ def comma_text(saved: Any, config: dict[str, Any]) -> Any:
     return comma_list(saved) if isinstance(saved, str) else saved
 
 
+def ramp_acted(with_s: bool, mode: str | None, rules: str, without: list[str]) -> bool:
+    """Whether own_capacity_ramp set a new environment's capacity target in a run: S on, the capacity
+    objective, and the rule in its set (the `vase` set, not left out)."""
+    return with_s and mode != "entangled" and rules == "vase" and "own_capacity_ramp" not in without
+
+
+def ramped_new_environments(config: dict[str, Any]) -> bool:
+    """`ramp_acted` for a saved config, read before inference.without's migration drops the rule's name."""
+    inference = config.get("inference", {})
+    return ramp_acted(inference.get("enabled", True), config.get("objective", {}).get("mode"),
+                      inference.get("rules", "vase"), inference.get("without", []))
+
+
 def holds_pending_batches(config: dict[str, Any]) -> bool:
     """Whether frozen_while_pending judged the run's pending batches: S on, and the rule in its set."""
     inference = config.get("inference", {})
@@ -67,13 +81,13 @@ def holds_pending_batches(config: dict[str, Any]) -> bool:
 
 MIGRATIONS: dict[str, Migration] = {
     "model.weight_grad_kernel": added("onednn"),  # oneDNN computed the weight gradients before the kernel
-    "objective.new_env_ramp_steps": added(0),  # every environment met C(t) at once
     "objective.fresh_aggregate_weight": added(0.0),  # no fresh-latent penalty
     "objective.capacity_form": added("absolute"),  # the CCI-VAE's |KL - C|
     "dream.sync_at_allocation": added(True),  # the snapshot was re-synced at every allocation
     # Rules pruned for want of a failure they fix (docs/method.md, rules beyond eq. 6).
     "objective.aggregate_weight": removed("objective.aggregate_weight", 0.0),
     "inference.probation_relies_on_past_usage": removed("inference.probation_relies_on_past_usage", False),
+    "objective.new_env_ramp_steps": removed("objective.new_env_ramp_steps", 0, acted=ramped_new_environments),
     # Measured and rejected (docs/method.md, "The optimiser at an arrival").
     "train.reset_optimizer_at_allocation": removed("train.reset_optimizer_at_allocation", False),
     "train.max_grad_norm": removed("train.max_grad_norm", 0.0),

@@ -88,12 +88,6 @@ class ObjectiveConfig:
     # latents spare in 6 seeds of 10, against 4 with 0) and the sprites in docs/method.md.
     # 0 is eq. 3 alone.
     fresh_aggregate_weight: float = 1.0
-    # [ours] A newly allocated environment's own capacity ramp, in steps from 0 to C_max: its
-    # target starts from the KL it carries when allocated and climbs at this slope, never above
-    # C(t). Without it (0, eq. 3 read literally) a new environment whose known latents are masked
-    # must find C(t) nats at once, and on the digits one did so by collapsing the shared encoder
-    # (docs/method.md). The first environment follows C(t) itself.
-    new_env_ramp_steps: int = 1000
 
 
 @dataclass

@@ -267,6 +267,7 @@ class Evaluator(Callback):
             "ablation": cfg.ablation(),
             "rules": cfg.inference.rules,
             "rules_without": cfg.inference.without,
+            "rule_names": list(rules.chosen(cfg)),
             "capacity_form": cfg.objective.capacity_form,
             "capacity_ramp_steps": cfg.objective.capacity_ramp_steps,
             "snapshot_every": cfg.dream.snapshot_every,

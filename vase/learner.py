@@ -27,7 +27,7 @@ from vase.inference import Decision, build
 from vase.masking import atypicality
 from vase.networks import VAE, EnvironmentClassifier, Posterior
 from vase.objective import (
-    environment_capacity,
+    capacity,
     kl_per_latent,
     masked_kl,
     masked_sample,
@@ -107,9 +107,6 @@ class Learner:
         self.encoder_pass, self.decoder_pass = self.graphed or (self.model.encoder, self.model.decoder)
         if graphed:
             self.snapshot.passes = GraphedNoGrad(self.snapshot.imagine)
-        # Per environment slot after the first: (step allocated, KL carried then), for
-        # objective.new_env_ramp_steps.
-        self.capacity_starts: dict[int, tuple[int, float]] = {}
         self.step = 0
 
     # -- the pieces of eq. 8 ------------------------------------------------------------------------
@@ -138,8 +135,8 @@ class Learner:
         """The atypicality (eq. 4) of the masked posterior on this batch, with gradient, summed over
         env's fresh latents, for the penalty of `mdl_loss`; None where it is off. Fresh: unmasked,
         and no other environment uses it (not `maskable`); only in an environment allocated after
-        the first (one in `capacity_starts`)."""
-        if not (self.objective.fresh_aggregate_weight and env in self.capacity_starts):
+        the first (slot 0 is the first, and with S off the only one)."""
+        if not (self.objective.fresh_aggregate_weight and env > 0):
             return None
         alpha = atypicality(*prior_where_masked(real.mu, real.logvar, mask))
         return (alpha * mask * (~maskable).to(mask.dtype)).sum()
@@ -211,12 +208,10 @@ class Learner:
 
     def mdl_term(self, enc: Encoded, decision: Decision, mask: torch.Tensor, maskable: torch.Tensor,
                  recon: torch.Tensor) -> tuple[dict[str, torch.Tensor], float]:
-        """Eq. 3 on the batch with the masked posterior of eq. 2, and the capacity target C."""
-        s, t = decision.env, self.step
+        """Eq. 3 on the batch with the masked posterior of eq. 2, and the capacity target C(t)."""
+        s = decision.env
         kl = masked_kl(enc.real.mu, enc.real.logvar, mask)
-        if decision.verdict == "new":  # the first environment is C(t)'s own
-            self.capacity_starts[s] = (t, float(kl.detach().mean()))
-        target = environment_capacity(t, self.capacity_starts.get(s), self.objective)
+        target = capacity(self.step, self.objective)
         loss = mdl_loss(recon, kl, target, self.objective, self.fresh_shift(enc.real, mask, maskable, s))
         return {"reconstruction": recon.mean(), "kl": kl.mean(), "mdl": loss}, target
 
@@ -349,7 +344,6 @@ class Learner:
             "optimizer": self.optimizer.state_dict(),
             "classifier_optimizer": self.classifier_optimizer.state_dict(),
             "inference": self.inference.state_dict(),  # with the slots: a^s, L_s, usage
-            "capacity_starts": dict(self.capacity_starts),
             "generator": self.generator.get_state(),
             "generator_device": self.device.type,
             "torch_rng": torch.get_rng_state(),
@@ -366,7 +360,6 @@ class Learner:
         if "masks" in d:  # the split layout: each slot's mask apart from the rest of it
             inference = from_split_layout(inference, d["masks"])
         self.inference.load_state_dict(inference)
-        self.capacity_starts = dict(d.get("capacity_starts", {}))  # absent in checkpoints from before it
         # A CPU generator's state cannot seed a CUDA one (different algorithms). Moved to another
         # kind of device, the run continues from a fresh stream derived from its seed and step:
         # it resumes, but not bit for bit (docs/devices.md).

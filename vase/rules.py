@@ -8,8 +8,8 @@ hooks at defined points (`Rule`). A rule acts in one of two ways:
 - through hooks, for a rule that changes what eq. 6 decides or what a slot records;
 - through settings it owns (`as_printed`): left out of the set, each takes the value that gives
   the printed equation (`as_configured`), e.g. `inference.error_margin` 0 for kappa * L_s alone.
-  The objective's additions to eq. 3 ([ours] terms, `vase.objective.mdl_loss` and
-  `environment_capacity`) are rules of this kind.
+  The objective's addition to eq. 3 (an [ours] term of `vase.objective.mdl_loss`) is a rule of
+  this kind.
 """
 from __future__ import annotations
 
@@ -212,17 +212,6 @@ class LearntLatentsOnly(Rule):
 
 
 # -- the objective's additions to eq. 3 (read by `vase.objective`) -----------------------------------------
-class OwnCapacityRamp(Rule):
-    """A new environment's capacity target climbs from the KL it carries at `new_env_ramp_steps`
-    pace, never above C(t) (`vase.objective.environment_capacity`). Fixes: a new slot whose known
-    latents are masked met C(t) at once by collapsing the shared encoder.
-    Setting: `objective.new_env_ramp_steps`."""
-
-    name = "own_capacity_ramp"
-    settings = ("objective.new_env_ramp_steps",)
-    as_printed = {"objective.new_env_ramp_steps": 0}
-
-
 class FreshLatentPenalty(Rule):
     """In a new environment, gamma times the atypicality of its fresh latents (unmasked, used by no
     other slot) is added to eq. 3, so filler KL earns nothing (`vase.objective.mdl_loss`). Fixes: a
@@ -237,7 +226,7 @@ class FreshLatentPenalty(Rule):
 RULES: dict[str, type[Rule]] = {rule.name: rule for rule in (
     Debouncing, FrozenWhilePending, Hysteresis, SmoothedAtypicality,
     Settling, Information, ErrorMargin, SettledMasks,
-    OthersLatentsOnly, LearntLatentsOnly, OwnCapacityRamp, FreshLatentPenalty,
+    OthersLatentsOnly, LearntLatentsOnly, FreshLatentPenalty,
 )}
 RULE_SETS: dict[str, tuple[str, ...]] = {
     "vase": tuple(RULES),

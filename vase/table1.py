@@ -8,6 +8,8 @@ import json
 import math
 from pathlib import Path
 
+from vase.config_migrations import ramp_acted
+from vase.rules import RULES
 from vase.summary import latent_union
 
 
@@ -32,18 +34,39 @@ def _reading(result: dict) -> str:
     return (result.get("probes") or {}).get("reading", "mean")
 
 
+def _ramped(result: dict) -> bool:
+    return ramp_acted("S" in result["ablation"], result.get("mode"), result.get("rules", "vase"),
+                      result.get("rules_without", []))
+
+
+# Deleted rules (docs/method.md, rules beyond eq. 6) whose use an older results.json, one without
+# `rule_names`, shows: a row names them where a run used them, and a run left without one is
+# today's set.
+NAMED_WHEN_USED = {"own_capacity_ramp": _ramped}
+
+
+def rules_used(result: dict) -> list[str]:
+    """The rules of a run's set, less those it left out: results.json's `rule_names`, or for an
+    older results.json the deleted rules of `NAMED_WHEN_USED` it used."""
+    if "rule_names" in result:
+        return result["rule_names"]
+    return [name for name, used in NAMED_WHEN_USED.items() if used(result)]
+
+
 def row_label(result: dict) -> str:
     """A Table 1 row's name: the ablation, the rule set where inference runs with another than the
     default (`inference.rules`), the capacity term where results.json says it was the absolute
     value rather than eq. 8's square (`objective.capacity_form`), a snapshot that tau never
     re-syncs within the run (`dream.snapshot_every`), a snapshot also re-synced at allocations
-    (`dream.sync_at_allocation`; a results.json without it is such a run), eq. 7's weights where
-    they are not 1 (`dream.encoder_weight`, `dream.decoder_weight`), and pending batches that trained although
-    frozen_while_pending was in the set (results.json's `pending_batches_train`; a results.json
-    without it is such a run)."""
+    (`dream.sync_at_allocation`; a results.json without it is such a run), a rule vase no longer
+    has that the run used (`rules_used`; a run left without it is named as today's set), eq. 7's
+    weights where they are not 1 (`dream.encoder_weight`, `dream.decoder_weight`), and pending
+    batches that trained although frozen_while_pending was in the set (results.json's
+    `pending_batches_train`; a results.json without it is such a run)."""
     rules = result.get("rules", "vase")
     notes = [f"{rules} rules"] if "S" in result["ablation"] and rules != "vase" else []
-    notes += [f"without {name}" for name in result.get("rules_without", [])]
+    notes += [f"without {name}" for name in result.get("rules_without", []) if name not in NAMED_WHEN_USED]
+    notes += [f"with {name}" for name in rules_used(result) if name not in RULES]
     if result.get("mode") != "entangled" and result.get("capacity_form") == "absolute":
         notes.append("absolute capacity term")
     if "D" in result["ablation"]:
