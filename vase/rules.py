@@ -201,7 +201,9 @@ class OthersLatentsOnly(Rule):
 
 class LearntLatentsOnly(Rule):
     """With S off (one slot), only latents the slot has used while settled (alpha below lambda_low)
-    may be masked. Fixes: the same as `others_latents_only`, in the rows without S. Setting: none."""
+    may be masked. Fixes: the same as `others_latents_only`, in the rows without S; on the long
+    schedule without it, the A row's slot closed all 24 latents at MNIST's arrival (docs/method.md).
+    Setting: none."""
 
     name = "learnt_latents_only"
     with_s = False
