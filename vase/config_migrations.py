@@ -45,7 +45,7 @@ def dropped(saved: Any, config: dict[str, Any]) -> Any:
 
 
 # Rules deleted because no run we measured needed them: they changed no verdict, or the runs without
-# them were the runs with them (docs/method.md, rules beyond eq. 6).
+# them kept every figure we judge by (docs/method.md, rules beyond eq. 6).
 DELETED_RULES = ("current_first", "foreign_latents", "ranked_fallback", "resettling", "probation",
                  "own_capacity_ramp")
 

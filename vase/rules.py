@@ -213,7 +213,7 @@ class LearntLatentsOnly(Rule):
         return inf.slots[env].learnt.clone()
 
 
-# -- the objective's additions to eq. 3 (read by `vase.objective`) -----------------------------------------
+# -- the objective's addition to eq. 3 (read by `vase.objective`) -------------------------------------------
 class FreshLatentPenalty(Rule):
     """In a new environment, gamma times the atypicality of its fresh latents (unmasked, used by no
     other slot) is added to eq. 3, so filler KL earns nothing (`vase.objective.mdl_loss`). Fixes: a
