@@ -162,7 +162,7 @@ class Information(Rule):
 class ErrorMargin(Rule):
     """The reconstruction threshold is kappa * L_s + margin. Fixes: static sprites are learnt to under
     1 nat, and kappa * L_s alone is batch noise: on the long sprite run without it, shapes B (0.04
-    nats under its slot) got a second slot inside its own stage (docs/method.md). Setting:
+    nats under its slot) was split into a second slot inside its own stage (docs/method.md). Setting:
     `inference.error_margin`."""
 
     name = "error_margin"
