@@ -263,17 +263,18 @@ class Evaluator(Callback):
         inferred = self.inferred_environments()
         _, use, cross = self.slot_tables()
         cfg, learner = self.cfg, self.learner
+        rule_names = list(rules.chosen(cfg))
         out = {
             "ablation": cfg.ablation(),
             "rules": cfg.inference.rules,
             "rules_without": cfg.inference.without,
-            "rule_names": list(rules.chosen(cfg)),
+            "rule_names": rule_names,
             "capacity_form": cfg.objective.capacity_form,
             "capacity_ramp_steps": cfg.objective.capacity_ramp_steps,
             "snapshot_every": cfg.dream.snapshot_every,
             "sync_at_allocation": cfg.dream.sync_at_allocation,
             "dream_weights": [cfg.dream.encoder_weight, cfg.dream.decoder_weight],
-            "pending_batches_train": "frozen_while_pending" not in rules.chosen(cfg),
+            "pending_batches_train": "frozen_while_pending" not in rule_names,
             "mode": cfg.objective.mode,
             "preset": cfg.preset,
             "sequence": cfg.data.sequence,

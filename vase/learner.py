@@ -209,10 +209,9 @@ class Learner:
     def mdl_term(self, enc: Encoded, decision: Decision, mask: torch.Tensor, maskable: torch.Tensor,
                  recon: torch.Tensor) -> tuple[dict[str, torch.Tensor], float]:
         """Eq. 3 on the batch with the masked posterior of eq. 2, and the capacity target C(t)."""
-        s = decision.env
         kl = masked_kl(enc.real.mu, enc.real.logvar, mask)
         target = capacity(self.step, self.objective)
-        loss = mdl_loss(recon, kl, target, self.objective, self.fresh_shift(enc.real, mask, maskable, s))
+        loss = mdl_loss(recon, kl, target, self.objective, self.fresh_shift(enc.real, mask, maskable, decision.env))
         return {"reconstruction": recon.mean(), "kl": kl.mean(), "mdl": loss}, target
 
     def dreaming_term(self, enc: Encoded, dreams: Dreams | None, dream_logits: torch.Tensor) -> dict:
