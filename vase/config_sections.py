@@ -145,10 +145,10 @@ class DreamConfig:
     # new environment's first batches did to an old slot (docs/method.md, "The snapshot at an arrival").
     sync_at_allocation: bool = False
     batch_size: int = 32
-    # Weights of eq. 7's two terms [ours; unpublished]. A decoder weight of 10 makes the older
-    # slots forget less, but a slot that keeps its data well also accepts new data: on the digits
-    # moving MNIST then joined moving Fashion's slot in 3 of 10 seeds (none at 1). Both at 10 merged
-    # the sprites (docs/method.md, "A heavier dream decoder term").
+    # Weights of eq. 7's two terms: 1 and 1, as eq. 8 prints them. Heavier terms make the older
+    # slots forget less, but a slot that keeps its latents well is also one that a new environment
+    # reusing its factors passes: on the long schedule an encoder weight of 10 merged moving MNIST
+    # into moving Fashion's slot in 2 seeds of 3 (docs/method.md, "Eq. 7's weights").
     encoder_weight: float = 1.0
     decoder_weight: float = 1.0
 
