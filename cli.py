@@ -163,29 +163,42 @@ def _refuse_with_resume(ctx: click.Context) -> None:
                    "these steps, e.g. 11000,24000 (docs/method.md).")
 @click.option("--batches", default=40, show_default=True, type=click.IntRange(min=2),
               help="With --atypicality: batches per environment and step.")
+@click.option("--own-slot", "own_slot", default=None, metavar="STEPS",
+              help="Instead: each environment's held-out error under its own slot with the newest "
+                   "checkpoint's decoders, decoded from the codes of the encoders saved at these steps, "
+                   "e.g. 12000,24000: how much of what a slot lost is the encoder's drift (docs/method.md).")
 @_device_option()
-def evaluate(run_dir, as_json, steps, batches, device):
+def evaluate(run_dir, as_json, steps, batches, own_slot, device):
     """Recompute probes and metrics from a run's checkpoints and print them."""
-    from vase.evaluation import evaluate_run
+    from vase.evaluation import evaluate_run, own_slot_errors_by_encoder, own_slot_text
     from vase.summary import summary_text
 
     try:
+        if steps is not None and own_slot is not None:
+            raise VaseError("--atypicality and --own-slot are two readings: give one at a time")
         if steps is not None:
             return _typicality(Path(run_dir), steps, batches, as_json, _resolve_device(device))
+        if own_slot is not None:
+            rows = own_slot_errors_by_encoder(Path(run_dir), _steps("--own-slot", own_slot), _resolve_device(device))
+            return click.echo(json.dumps(rows, indent=2) if as_json else own_slot_text(rows))
         results = evaluate_run(Path(run_dir), device=_resolve_device(device))
     except VaseError as e:
         _fail(e)
     click.echo(json.dumps(results, indent=2) if as_json else summary_text(results, Path(run_dir)))
 
 
+def _steps(option: str, text: str) -> list[int]:
+    try:
+        return [int(step) for step in comma_list(text)]
+    except ValueError:
+        raise VaseError(f"{option} {text!r}: give steps as integers separated by commas, e.g. 11000,24000") \
+            from None
+
+
 def _typicality(run_dir: Path, steps: str, batches: int, as_json: bool, device) -> None:
     from vase.typicality import run_typicality, typicality_text
 
-    try:
-        wanted = [int(step) for step in comma_list(steps)]
-    except ValueError:
-        raise VaseError(f"--atypicality {steps!r}: give steps as integers separated by commas, e.g. 11000,24000") \
-            from None
+    wanted = _steps("--atypicality", steps)
     cfg = load_run_config(run_dir, trains=False)
     rows = run_typicality(run_dir, cfg, wanted, batches, device=device)
     click.echo(json.dumps([row.as_dict() for row in rows], indent=2) if as_json

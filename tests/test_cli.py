@@ -41,7 +41,7 @@ RESULT_KEYS = {
     "environments_inferred", "environments_true", "inferred_vs_true", "inference_events", "pending_batches",
     "final_masks", "heldout_reconstruction_matrix", "cross_domain_errors", "latent_use", "disentanglement", "probes",
     "weight_gradients", "device", "rules", "rules_without", "rule_names", "capacity_form", "snapshot_every",
-    "sync_at_allocation",
+    "sync_at_allocation", "own_slot_errors_stage_codes",
 }
 
 
@@ -216,6 +216,47 @@ def test_eval_recomputes_the_factor_latents_of_a_run_that_lacks_them(sprite_run,
     evaluated = invoke(["eval", str(old), "--json"])
     assert evaluated.exit_code == 0, evaluated.output
     assert [row["factor_latents"] for row in json.loads(evaluated.stdout)["latent_use"]] == trained
+
+
+@pytest.mark.slow
+def test_eval_own_slot_decodes_each_saved_encoders_codes_with_the_last_decoders(sprite_run):
+    run, result = sprite_run
+    assert result.exit_code == 0, result.output
+    results = json.loads((run / "results.json").read_text())
+    out = invoke(["eval", str(run), "--own-slot", "20,60", "--json"])
+    assert out.exit_code == 0, out.output
+    rows = json.loads(out.stdout)
+    stages = results["inferred_vs_true"]
+    assert [(r["step"], r["environment"], r["slot"]) for r in rows] == [
+        (s, e["true_env"], e["inferred_env"]) for s in (20, 60) for e in stages]
+    # The encoder of the last step gives today's codes (up to channels_last's last digits), and the
+    # end of the first stage gives the run's own reading of its stage codes.
+    for r, own in zip(rows[3:], results["cross_domain_errors"]):
+        assert r["error"] == pytest.approx(r["now"], rel=1e-5) and r["now"] == pytest.approx(own[r["slot"]], rel=1e-5)
+    assert rows[0]["error"] == results["own_slot_errors_stage_codes"][0]
+    text = invoke(["eval", str(run), "--own-slot", "10"])
+    assert text.exit_code == 0 and "moving_shapes_a (slot 0)" in text.stdout
+    for args, message in ((["--own-slot", "15"], "no saved encoder of step 15"),
+                          (["--own-slot", "ten"], "give steps as integers"),
+                          (["--own-slot", "10", "--atypicality", "10"], "give one at a time")):
+        refused = CliRunner().invoke(main, ["eval", str(run), *args])
+        assert refused.exit_code != 0 and message in refused.output and "Traceback" not in refused.output
+
+
+@pytest.mark.slow
+def test_eval_rebuilds_the_stage_codes_reading_of_a_run_that_lacks_it(sprite_run, tmp_path):
+    run, result = sprite_run
+    assert result.exit_code == 0, result.output
+    trained = json.loads((run / "results.json").read_text())["own_slot_errors_stage_codes"]
+    assert len(trained) == 3 and all(e > 0 for e in trained)
+    old = tmp_path / "old-run"  # as written before the reading existed
+    shutil.copytree(run, old)
+    results = json.loads((old / "results.json").read_text())
+    del results["own_slot_errors_stage_codes"]
+    (old / "results.json").write_text(json.dumps(results))
+    evaluated = invoke(["eval", str(old), "--json"])
+    assert evaluated.exit_code == 0, evaluated.output
+    assert json.loads(evaluated.stdout)["own_slot_errors_stage_codes"] == trained
 
 
 @pytest.mark.slow

@@ -55,3 +55,44 @@ def test_encoder_proximity_is_w2_between_diagonal_gaussians():
     b = Posterior(torch.tensor([[0.0, 0.0]]), torch.log(torch.tensor([[4.0, 1.0]])), None)
     # ||1-0||^2 + ||sigma 1 - sigma 2||^2 = 1 + 1
     assert float(encoder_proximity(a, b)) == 2.0
+
+
+def test_sampled_dreams_are_bernoulli_draws_of_the_mean_dreams():
+    """dream.images = "sample": the same z, s' and logits as the mean dreams, x' binary, on where the
+    uniform falls below the pixel's mean (so about the mean's share of draws), and the snapshot's
+    posterior is of the drawn images."""
+    snap = Snapshot(_model())
+    mean = snap.dream([0, 1], 64, 4, torch.Generator().manual_seed(3))
+    drawn = snap.dream([0, 1], 64, 4, torch.Generator().manual_seed(3), sample=True)
+    assert torch.equal(drawn.z, mean.z) and torch.equal(drawn.env, mean.env) and torch.equal(drawn.logits, mean.logits)
+    assert set(drawn.x.unique().tolist()) <= {0.0, 1.0}
+    p = torch.sigmoid(mean.logits)
+    # 64 dreams of 4,096 pixels: the share of pixels on is the mean probability within 1 %.
+    assert abs(float(drawn.x.mean()) - float(p.mean())) < 0.01
+    assert float(drawn.x[p < 1e-3].sum()) <= 2 and float((1 - drawn.x[p > 1 - 1e-3]).sum()) <= 2
+    again = Snapshot(snap.model).imagine(drawn.z, drawn.env)[0]
+    assert torch.equal(again, mean.x)  # without uniforms, the means
+    assert torch.allclose(drawn.posterior.mu, snap.model.encoder(drawn.x).mu)
+
+
+def test_the_dream_images_setting_is_checked():
+    import pytest
+
+    from vase.config import build_config
+    from vase.errors import ConfigError
+
+    assert build_config("cpu").dream.images == "mean"
+    assert build_config("cpu", ["dream.images=sample"]).dream.images == "sample"
+    with pytest.raises(ConfigError, match="dream.images must be 'mean' or 'sample'"):
+        build_config("cpu", ["dream.images=median"])
+
+
+def test_dreaming_draws_the_images_its_setting_names():
+    from vase.config import DreamConfig
+    from vase.dreaming import Dreaming
+
+    snap = Snapshot(_model())
+    for images, binary in (("mean", False), ("sample", True)):
+        dreaming = Dreaming(DreamConfig(images=images, batch_size=8), snap)
+        dreams = dreaming.dream([0], 4, torch.Generator().manual_seed(0))
+        assert len(dreams.x) == 8 and (set(dreams.x.unique().tolist()) <= {0.0, 1.0}) == binary

@@ -1,5 +1,6 @@
 """The markdown results of `vase table`, and docs/results.md and the README kept equal to them."""
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from vase.errors import VaseError
 from vase.report import (
     RESULTS_BEGIN,
     RESULTS_END,
+    heldout_markdown,
     readme_block,
     readme_text,
     replace_block,
@@ -48,6 +50,18 @@ def test_heldout_retention_reads_each_environment_under_its_own_slot():
         ("moving_fashion", 100.0, 300.0), ("mnist", 200.0, 250.0)]
     assert rows[0]["ratio"] == 3.0 and rows[1]["ratio"] == 1.25
     assert heldout_retention({"inferred_vs_true": []}) == []  # a results.json from before the matrices
+    # Without the stage codes' reading, its columns are not measurable; with it, read per environment.
+    assert all(math.isnan(r["end_stage_codes"]) and math.isnan(r["decoder_ratio"]) for r in rows)
+    staged = heldout_retention({**_results("SDA", 0), "own_slot_errors_stage_codes": [150.0, None, 290.0]})
+    assert staged[0]["end_stage_codes"] == 150.0 and staged[0]["decoder_ratio"] == 1.5
+    assert math.isnan(staged[1]["end_stage_codes"])
+
+
+def test_the_heldout_table_shows_the_stage_codes_where_a_run_has_them():
+    with_codes = {**_results("SDA", 0), "own_slot_errors_stage_codes": [150.0, 210.0, 290.0]}
+    text = heldout_markdown(table1_rows([with_codes, _results("-", 0)]))
+    assert "| SDA | moving_fashion | 100.0 | 300.0 | 3.00 | 150.0 | 1.50 |" in text
+    assert "| - | moving_fashion | 100.0 | 300.0 | 3.00 | n/a | n/a |" in text
 
 
 def test_markdown_puts_the_papers_changes_beside_the_paper_sequence_only():

@@ -272,6 +272,10 @@ def test_table1_names_the_rules_a_run_left_out():
              "sync_at_allocation": False, "rule_names": list(RULE_SETS["vase"])}
     assert row_label({**today, "rules_without": ["settling"]}) == "SDA (without settling)"
     assert row_label(today) == "SDA"
+    # Eq. 7's dreams drawn from the snapshot's pixels are named where D is on.
+    assert row_label({**today, "dream_images": "sample"}) == "SDA (sampled dreams)"
+    assert row_label({**today, "dream_images": "mean"}) == "SDA"
+    assert row_label({**today, "ablation": "SA", "dream_images": "sample"}) == "SA"
     trained = {"ablation": "SDA", "pending_batches_train": True, "sync_at_allocation": False, "rule_names": []}
     assert row_label(trained) == "SDA (pending batches trained)"
     assert row_label({"ablation": "SDA"}) == (  # a results.json without the fields

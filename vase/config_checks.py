@@ -54,6 +54,8 @@ def problems(cfg: Config) -> list[str]:
         errs.append("inference.patience must be at least 1")
     if cfg.dream.snapshot_every < 1:
         errs.append("dream.snapshot_every must be at least 1")
+    if cfg.dream.images not in ("mean", "sample"):
+        errs.append(f"dream.images must be 'mean' or 'sample', not {cfg.dream.images!r}")
     for name in ("checkpoint_every", "log_every", "image_every"):
         if getattr(cfg.train, name) < 1:
             errs.append(f"train.{name} must be at least 1")

@@ -151,6 +151,10 @@ class DreamConfig:
     # into moving Fashion's slot in 2 seeds of 3 (docs/method.md, "Eq. 7's weights").
     encoder_weight: float = 1.0
     decoder_weight: float = 1.0
+    # The dream images x': "mean", sigmoid(decoder_theta'(z, s')), as the spec writes it; or "sample",
+    # x' drawn from those Bernoulli pixels, as eq. 7's x' ~ q_theta'(x|z, s') reads (docs/method.md,
+    # "Where the old slots forget").
+    images: str = "mean"
 
 
 @dataclass

@@ -8,7 +8,7 @@ import torch
 from torch.nn import functional as F
 
 from vase.config import DreamConfig
-from vase.networks import VAE, Posterior
+from vase.networks import IMAGE_SIZE, VAE, Posterior
 
 
 class Dreams(NamedTuple):
@@ -22,7 +22,7 @@ class Dreams(NamedTuple):
 
 
 class Snapshot:
-    """A frozen copy of encoder and decoder, re-synced every tau steps and at each allocation."""
+    """A frozen copy of encoder and decoder, re-synced every tau steps (`Dreaming`)."""
 
     def __init__(self, model: VAE):
         self.model = copy.deepcopy(model).requires_grad_(False).eval()
@@ -32,8 +32,10 @@ class Snapshot:
         self.model.load_state_dict(model.state_dict())
 
     @torch.no_grad()
-    def dream(self, past: list[int], n: int, latents: int, generator: torch.Generator) -> Dreams:
-        """Sample s' uniformly from the past environments (per dream) and z ~ N(0, I), then decode.
+    def dream(self, past: list[int], n: int, latents: int, generator: torch.Generator,
+              sample: bool = False) -> Dreams:
+        """Sample s' uniformly from the past environments (per dream) and z ~ N(0, I), then decode;
+        with `sample`, x' is drawn from the decoded Bernoulli pixels instead of being their means.
 
         Drawing s' per sample keeps the cost of a step independent of how many environments exist.
         """
@@ -41,13 +43,21 @@ class Snapshot:
         choice = torch.randint(len(past), (n,), generator=generator, device=device)
         env = torch.tensor(past, dtype=torch.long, device=device)[choice]
         z = torch.randn(n, latents, generator=generator, device=device)
-        return Dreams(z, env, *self.passes(z, env))
+        if not sample:
+            return Dreams(z, env, *self.passes(z, env))
+        # The uniforms are drawn here, not inside the passes, so a CUDA graph replays them as an input.
+        shape = (n, self.model.decoder.image_channels, IMAGE_SIZE, IMAGE_SIZE)
+        return Dreams(z, env, *self.passes(z, env, torch.rand(shape, generator=generator, device=device)))
 
     @torch.no_grad()
-    def imagine(self, z: torch.Tensor, env: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Posterior]:
-        """(x', the decoder's logits, q_phi'(z|x')) of the snapshot for codes z under environments env."""
+    def imagine(self, z: torch.Tensor, env: torch.Tensor,
+                uniform: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, Posterior]:
+        """(x', the decoder's logits, q_phi'(z|x')) of the snapshot for codes z under environments env:
+        x' the pixels' means, or with `uniform` a Bernoulli draw of them (pixel on where u < p)."""
         logits = self.model.decoder(z, env).float()
         x = torch.sigmoid(logits)
+        if uniform is not None:
+            x = (uniform < x).to(x.dtype)
         return x, logits, Posterior(*(p.float() for p in self.model.encoder(x)))
 
     def state_dict(self) -> dict:
@@ -66,7 +76,9 @@ class Dreaming:
         self.cfg, self.snapshot = cfg, snapshot
 
     def dream(self, envs: list[int], latents: int, generator: torch.Generator) -> Dreams | None:
-        return self.snapshot.dream(envs, self.cfg.batch_size, latents, generator) if envs else None
+        if not envs:
+            return None
+        return self.snapshot.dream(envs, self.cfg.batch_size, latents, generator, self.cfg.images == "sample")
 
     def new_environment(self, model: VAE) -> None:
         """An environment was allocated: re-sync the snapshot (dream.sync_at_allocation [ours]),

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vase.checkpoint import load_weights
+from vase.checkpoint import has_checkpoint, load_weights
 from vase.config import Config, load_run_config
 from vase.conv_paths import place
 from vase.data.environments import load_sequence
@@ -74,6 +74,53 @@ def saved_encoders(run_dir: Path) -> dict[int, Path]:
     """The encoders a run saved at its probe points, by step, in step order."""
     paths = (Path(run_dir) / "checkpoints" / ENCODER_DIR).glob("step-*.pt")
     return dict(sorted((int(path.stem.split("-")[1]), path) for path in paths))
+
+
+def encoders_at(run_dir: Path, steps: list[int], every: int) -> dict[int, Path]:
+    """The saved encoders of these steps, or a clear error naming the ones the run did not keep."""
+    kept = saved_encoders(run_dir)
+    missing = [step for step in steps if step not in kept]
+    if missing:
+        where = f"kept: {min(kept)}..{max(kept)}, every {every}" if kept else "it has none"
+        raise VaseError(f"{run_dir} has no saved encoder of step {', '.join(map(str, missing))} ({where})")
+    return {step: kept[step] for step in steps}
+
+
+def own_slot_errors_by_encoder(run_dir: Path, steps: list[int], device: torch.device | str = "cpu") -> list[dict]:
+    """Each environment's held-out error under the slot it trained in, with the decoders and masks of
+    the run's newest checkpoint, decoded from the codes of the encoder saved at each step: how much
+    of what a slot lost is the shared encoder's drift since that step (docs/method.md, "Where the
+    old slots forget"). One row per step and environment the checkpoint has seen."""
+    from vase.inspection import open_run
+
+    cfg = load_run_config(run_dir, trains=False)
+    paths = encoders_at(run_dir, steps, cfg.probe.every)
+    run = open_run(run_dir, device=device)
+    stages = run.inferred_environments()
+    encode = FrozenEncoder(cfg.model, device)
+    rows = []
+    for step, path in paths.items():
+        encode.load(load_weights(path))
+        for stage, x in zip(stages, run.held_out):
+            slot = stage["inferred_env"]
+            rows.append({"step": step, "environment": stage["true_env"], "slot": slot,
+                         "error": run.learner.reconstruction_error(x, slot, encode(x)),
+                         "now": run.learner.reconstruction_error(x, slot), "checkpoint_step": run.learner.step})
+    return rows
+
+
+def own_slot_text(rows: list[dict]) -> str:
+    """`own_slot_errors_by_encoder` as a table: a line per step, a column per environment."""
+    names = list(dict.fromkeys(f"{r['environment']} (slot {r['slot']})" for r in rows))
+    width = max([len(n) for n in names] + [10]) + 2
+    lines = [f"held-out error (nats/image) under each environment's own slot with the decoders of step "
+             f"{rows[0]['checkpoint_step']}, decoded from the codes of the encoder of each step:",
+             f"  {'encoder':>9}" + "".join(f"{n:>{width}}" for n in names)]
+    for step in dict.fromkeys(r["step"] for r in rows):
+        lines.append(f"  {step:>9}" + "".join(f"{r['error']:>{width}.1f}" for r in rows if r["step"] == step))
+    first = [r for r in rows if r["step"] == rows[0]["step"]]
+    lines.append(f"  {'now':>9}" + "".join(f"{r['now']:>{width}.1f}" for r in first))
+    return "\n".join(lines)
 
 
 def has_ground_truth(env) -> bool:
@@ -142,4 +189,12 @@ def evaluate_run(run_dir: Path, progress: bool = False, device: torch.device | s
     if out.get("latent_use"):  # one row per environment of the sequence, in order
         for row, env in zip(out["latent_use"], envs):
             row["factor_latents"] = factor_latents(env, encode, held_out_images(env))
+    if has_checkpoint(run_dir):
+        # The stage codes under the slots of the newest checkpoint (the run's end, once finished).
+        from vase.inspection import open_run
+
+        run = open_run(run_dir, device=device)
+        run.codes_from_saved_encoders(run_dir)
+        out["own_slot_errors_stage_codes"] = run.stage_code_errors(
+            [row["inferred_env"] for row in run.inferred_environments()])
     return out

@@ -15,7 +15,7 @@ import torch
 
 from vase import kernels, rules
 from vase.callbacks import Callback, StepEnd
-from vase.checkpoint import save_weights
+from vase.checkpoint import load_weights, save_weights
 from vase.config import Config
 from vase.device import describe
 from vase.dream_coverage import coverage
@@ -55,6 +55,8 @@ class RunRecord:
     # vase.dream_coverage at every probe point, from the model at reference_step to the model now
     dream_coverage: list[dict] = field(default_factory=list)
     reference_step: int = 0
+    # [i]: mu of stage i's held-out images at the end of stage i, for `stage_code_errors`
+    stage_codes: list[list[list[float]]] = field(default_factory=list)
 
     @classmethod
     def empty(cls) -> "RunRecord":
@@ -126,6 +128,7 @@ class Evaluator(Callback):
     def on_boundary(self, trainer, step: StepEnd) -> None:
         self.record.recon_matrix.append(self.heldout_errors(len(self.envs) - 1))
         encode = self.frozen_encoder.load(self.learner.model.encoder.state_dict())
+        self.record.stage_codes.append(encode(self.held_out[step.true_env]).tolist())  # for stage_code_errors
         self.record.disentanglement.append(
             disentanglement_scores(self.test_envs, encode, step.true_env, self.cfg.probe.seed))
 
@@ -189,6 +192,29 @@ class Evaluator(Callback):
         which slots would explain the data, which is what decides a merge."""
         slots = range(max(1, self.learner.inference.n_envs))
         return [[self.learner.reconstruction_error(x, s) for s in slots] for x in self.held_out[: upto + 1]]
+
+    def stage_code_errors(self, slots: list[int]) -> list[float | None]:
+        """[i]: held-out error (nats per image) of stage i's environment now under the slot it trained
+        in (`slots`), decoded from the codes the encoder gave its images at the end of its stage. Against
+        the same error from today's codes it splits what the slot lost since its stage: this much is
+        the decoder's (and the mask's) doing, the rest the shared encoder's drift on real images
+        (docs/method.md, "Where the old slots forget"). None for a stage not finished yet."""
+        codes = self.record.stage_codes
+        return [  # through the frozen encoder, as `vase eval` recomputes them from the saved encoders
+self.learner.reconstruction_error(x, s, torch.tensor(codes[i], device=self.learner.device))
+                if i < len(codes) else None for i, (x, s) in enumerate(zip(self.held_out, slots))]
+
+    def codes_from_saved_encoders(self, run_dir) -> None:
+        """Rebuild the stage codes from the encoders saved at the stage ends (`vase eval` on a run
+        whose checkpoint predates them): the same numbers the run computes at its boundaries."""
+        saved = saved_encoders(run_dir)
+        codes = []
+        for stage, end in enumerate(e for e in self.stream.ends if e <= self.learner.step):
+            if end not in saved:
+                break
+            encode = self.frozen_encoder.load(load_weights(saved[end]))
+            codes.append(encode(self.held_out[stage]).tolist())
+        self.record.stage_codes = codes
 
     @torch.no_grad()
     def latent_use(self, slots: list[int]) -> list[dict]:
@@ -274,6 +300,7 @@ class Evaluator(Callback):
             "snapshot_every": cfg.dream.snapshot_every,
             "sync_at_allocation": cfg.dream.sync_at_allocation,
             "dream_weights": [cfg.dream.encoder_weight, cfg.dream.decoder_weight],
+            "dream_images": cfg.dream.images,
             "pending_batches_train": "frozen_while_pending" not in rule_names,
             "mode": cfg.objective.mode,
             "preset": cfg.preset,
@@ -295,6 +322,7 @@ class Evaluator(Callback):
             "final_masks": learner.slots.stack("mask")[: max(1, learner.inference.n_envs)].int().tolist(),
             "heldout_reconstruction_matrix": self.record.recon_matrix,
             "cross_domain_errors": cross,
+            "own_slot_errors_stage_codes": self.stage_code_errors([row["inferred_env"] for row in inferred]),
             "latent_use": use,
             "disentanglement": self.record.disentanglement,
             "dream_coverage": self.record.dream_coverage,

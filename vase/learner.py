@@ -317,20 +317,20 @@ class Learner:
         return self.inference.slot_of(x, self.model.encoder)
 
     @torch.no_grad()
-    def reconstruct_mean(self, x: torch.Tensor, env: int) -> torch.Tensor:
-        """Reconstruction from mu under env with a^env (masked latents at the prior mean, 0)."""
-        post = self.model.encoder(x)
-        z = post.mu * self.mask(env)
+    def reconstruct_mean(self, x: torch.Tensor, env: int, mu: torch.Tensor | None = None) -> torch.Tensor:
+        """Reconstruction from mu under env with a^env (masked latents at the prior mean, 0). With
+        `mu`, these codes are decoded instead of the encoder's codes of x now."""
+        z = (self.model.encoder(x).mu if mu is None else mu) * self.mask(env)
         return torch.sigmoid(
             self.model.decoder(z, torch.full((x.shape[0],), env, dtype=torch.long, device=self.device))
         )
 
     @torch.no_grad()
-    def reconstruction_error(self, x: torch.Tensor, env: int) -> float:
+    def reconstruction_error(self, x: torch.Tensor, env: int, mu: torch.Tensor | None = None) -> float:
         """Mean error (nats per image) of x decoded from mu under env with a^env: the held-out
         reading of eq. 6's reconstruction test. Probabilities are clamped to [1e-6, 1 - 1e-6], so a
-        pixel costs at most ~13.8 nats."""
-        recon = self.reconstruct_mean(x, env).clamp(1e-6, 1 - 1e-6)
+        pixel costs at most ~13.8 nats. With `mu`, of those codes (`reconstruct_mean`)."""
+        recon = self.reconstruct_mean(x, env, mu).clamp(1e-6, 1 - 1e-6)
         return float(reconstruction_nll(torch.logit(recon), x).mean())
 
     # -- checkpointing ----------------------------------------------------------------------------------

@@ -68,6 +68,7 @@ class Decoder(nn.Module):
         super().__init__()
         chans = cfg.channels
         self.k_max = cfg.k_max
+        self.image_channels = cfg.image_channels
         self.top_channels = chans[-1]
         self.fc1 = nn.Linear(cfg.latents + cfg.k_max, cfg.hidden)
         self.fc2 = nn.Linear(cfg.hidden, chans[-1] * FEATURE_SIZE * FEATURE_SIZE)

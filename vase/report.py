@@ -107,7 +107,8 @@ def table1_markdown(rows: list[dict]) -> str:
 
 def heldout_markdown(rows: list[dict]) -> str:
     """Per objective and sequence, each environment's held-out error after its stage and at the end
-    under its own slot (heldout_retention), mean (±std) over seeds."""
+    under its own slot, from today's codes and from its stage's (heldout_retention), mean (±std)
+    over seeds."""
     def cell(stat: dict, spec: str, single: bool) -> str:
         if math.isnan(stat["mean"]):
             return "n/a"
@@ -116,12 +117,15 @@ def heldout_markdown(rows: list[dict]) -> str:
     out = []
     for mode, sequence, group in _groups(rows):
         lines = [_md_row(["row", "environment", "after its stage (nats)", "at the end, own slot (nats)",
-                          "end ÷ after"]), _md_row(["---"] * 5)]
+                          "end ÷ after", "at the end from its stage's codes (nats)", "÷ after"]),
+                 _md_row(["---"] * 7)]
         for row in group:
             single = len(row["seeds"]) == 1
             for env in row["heldout"]:
-                lines.append(_md_row([row["ablation"], env["env"], cell(env["after_stage"], ".1f", single),
-                                      cell(env["end_own_slot"], ".1f", single), cell(env["ratio"], ".2f", single)]))
+                lines.append(_md_row([row["ablation"], env["env"]] + [
+                    cell(env[key], spec, single) for key, spec in (
+                        ("after_stage", ".1f"), ("end_own_slot", ".1f"), ("ratio", ".2f"),
+                        ("end_stage_codes", ".1f"), ("decoder_ratio", ".2f"))]))
         if len(lines) > 2:
             out += [_heading(mode, sequence), ""] + lines + [""]
     return "\n".join(out).rstrip() + "\n" if out else ""
@@ -165,10 +169,14 @@ def results_page(rows: list[dict], run_dirs: list[Path], page: Path) -> str:
         parts += [
             "## Held-out reconstruction under each environment's own slot",
             "",
-            "What the decoder kept, which the probes (read from the encoder) do not show: each "
-            "environment's held-out error in nats per image just after its own stage and at the end of "
-            "the sequence under the slot it trained in, and their ratio (1 = nothing forgotten). The "
-            "last environment of a sequence is left out, as in Table 1's CHANGE.",
+            "Whether each environment can still be read back through its own slot: its held-out error "
+            "in nats per image just after its own stage and at the end of the sequence under the slot it "
+            "trained in, and their ratio (1 = nothing forgotten). The last two columns decode, at the end, "
+            "the codes the encoder gave the same images at the end of their stage: what the slot's "
+            "decoder and mask lost. The rest of the first ratio is the shared encoder's drift on the "
+            "environment's real images ([method.md](method.md#where-the-old-slots-forget)); n/a where a "
+            "run's results.json lacks that reading. The last environment of a sequence is left out, as in Table 1's "
+            "CHANGE.",
             "",
             heldout.rstrip(),
             "",

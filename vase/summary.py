@@ -38,6 +38,14 @@ def summary_text(results: dict, run_dir: Path) -> str:
         for env, row in zip(results["inferred_vs_true"], cross):
             cells = [f"{e:.1f}" + ("*" if env["inferred_env"] == s else " ") for s, e in enumerate(row)]
             lines.append(f"  {env['true_env']:<18}" + "".join(f"{c:>10}" for c in cells))
+    staged = results.get("own_slot_errors_stage_codes") or []
+    if cross and staged:
+        lines.append("the same under its own slot, decoded from the codes the encoder gave it at the end of its "
+                     "stage (what the slot lost; the rest is the encoder's drift):")
+        for env, row, error in zip(results["inferred_vs_true"], cross, staged):
+            if error is not None:
+                lines.append(f"  {env['true_env']:<18}{error:>10.1f} against {row[env['inferred_env']]:.1f} "
+                             "from today's codes")
     activity = results.get("rule_activity")
     if activity:
         lines.append("batches whose verdict each rule decided (the set without it decides otherwise, "

@@ -60,7 +60,8 @@ def row_label(result: dict) -> str:
     re-syncs within the run (`dream.snapshot_every`), a snapshot also re-synced at allocations
     (`dream.sync_at_allocation`; a results.json without it is such a run), a rule vase no longer
     has that the run used (`rules_used`; a run left without it is named as today's set), eq. 7's
-    weights where they are not 1 (`dream.encoder_weight`, `dream.decoder_weight`), and pending
+    weights where they are not 1 (`dream.encoder_weight`, `dream.decoder_weight`), dreams drawn
+    from the snapshot's Bernoulli pixels (`dream.images`), and pending
     batches that trained although frozen_while_pending was in the set (results.json's
     `pending_batches_train`; a results.json without it is such a run)."""
     rules = result.get("rules", "vase")
@@ -78,6 +79,8 @@ def row_label(result: dict) -> str:
     encoder_weight, decoder_weight = result.get("dream_weights", (1.0, 1.0))
     if "D" in result["ablation"] and (encoder_weight, decoder_weight) != (1.0, 1.0):
         notes.append(f"eq. 7 weights {encoder_weight:g} / {decoder_weight:g}")
+    if "D" in result["ablation"] and result.get("dream_images", "mean") == "sample":
+        notes.append("sampled dreams")
     in_set = "frozen_while_pending" not in result.get("rules_without", [])
     if "S" in result["ablation"] and in_set and result.get("pending_batches_train", True):
         notes.append("pending batches trained")
@@ -117,21 +120,27 @@ def table1_rows(results: list[dict]) -> list[dict]:
 
 def heldout_retention(result: dict) -> list[dict]:
     """Each environment of the sequence but the last: its held-out reconstruction error (nats per
-    image) just after its own stage, at the end under the slot it trained in, and their ratio.
+    image) just after its own stage, at the end under the slot it trained in, and their ratio; and
+    the end error from the codes of the end of its stage (`Evaluator.stage_code_errors`), with its
+    ratio to the error after the stage.
 
-    The ratio is how much of what that slot learnt it kept: the decoder's side of forgetting, which
-    the probes (encoder only) do not see. After its stage the error is read under the classifier's
-    pick, which is then that slot. The last environment is left out, as Table 1's CHANGE leaves it
-    out: its two readings are taken at the same step. [] for results.json without the matrices."""
+    The first ratio is how much of what that slot learnt it kept. The second is the part of it that
+    the decoder and mask lost: the rest is the shared encoder's drift on the environment's real
+    images. After its stage the error is read under the classifier's pick, which is then that slot.
+    The last environment is left out, as Table 1's CHANGE leaves it out: its readings are taken at
+    the same step. [] for results.json without the matrices; NaN where the stage codes are missing."""
     matrix = result.get("heldout_reconstruction_matrix") or []
     cross = result.get("cross_domain_errors") or []
+    staged = result.get("own_slot_errors_stage_codes") or []
     rows = []
     for i, env in enumerate((result.get("inferred_vs_true") or [])[:-1]):
         if i >= len(matrix) or i >= len(cross):
             break
         after, end = matrix[i][i], cross[i][env["inferred_env"]]
+        decoder = staged[i] if i < len(staged) and staged[i] is not None else math.nan
         rows.append({"env": env["true_env"], "after_stage": after, "end_own_slot": end,
-                     "ratio": end / after if after > 0 else math.nan})
+                     "ratio": end / after if after > 0 else math.nan,
+                     "end_stage_codes": decoder, "decoder_ratio": decoder / after if after > 0 else math.nan})
     return rows
 
 
@@ -142,7 +151,7 @@ def _heldout_over_seeds(per_run: list[list[dict]]) -> list[dict]:
     out = []
     for stage in zip(*per_run):
         row = {"env": stage[0]["env"]}
-        for key in ("after_stage", "end_own_slot", "ratio"):
+        for key in ("after_stage", "end_own_slot", "ratio", "end_stage_codes", "decoder_ratio"):
             values = [r[key] for r in stage]
             row[key] = {"mean": nanmean(values), "std": nanstd(values)}
         out.append(row)

@@ -16,8 +16,7 @@ import torch
 from vase.checkpoint import load_weights
 from vase.config import Config
 from vase.data.environments import load_sequence
-from vase.errors import VaseError
-from vase.evaluation import FrozenEncoder, saved_encoders
+from vase.evaluation import FrozenEncoder, encoders_at
 from vase.masking import atypicality
 
 QUANTILES = (0.1, 0.5, 0.9)
@@ -64,11 +63,7 @@ def run_typicality(run_dir: Path, cfg: Config, steps: list[int], batches: int = 
                    device: torch.device | str = "cpu") -> list[Typicality]:
     """Typicality of every environment of the run's sequence (config `cfg`) under its encoder of
     each step."""
-    kept = saved_encoders(run_dir)
-    missing = [step for step in steps if step not in kept]
-    if missing:
-        where = f"kept: {min(kept)}..{max(kept)}, every {cfg.probe.every}" if kept else "it has none"
-        raise VaseError(f"{run_dir} has no saved encoder of step {', '.join(map(str, missing))} ({where})")
+    kept = encoders_at(run_dir, steps, cfg.probe.every)
     envs = list({env.name: env.to(device) for env in load_sequence(cfg.data, "test", progress=False)}.values())
     encode = FrozenEncoder(cfg.model, device)
     generator = torch.Generator().manual_seed(seed)
