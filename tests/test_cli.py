@@ -41,7 +41,7 @@ RESULT_KEYS = {
     "environments_inferred", "environments_true", "inferred_vs_true", "inference_events", "pending_batches",
     "final_masks", "heldout_reconstruction_matrix", "cross_domain_errors", "latent_use", "disentanglement", "probes",
     "weight_gradients", "device", "rules", "rules_without", "rule_names", "capacity_form", "snapshot_every",
-    "sync_at_allocation", "own_slot_errors_stage_codes",
+    "sync_at_allocation", "own_slot_errors_stage_codes", "dream_images",
 }
 
 

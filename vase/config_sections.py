@@ -153,7 +153,7 @@ class DreamConfig:
     decoder_weight: float = 1.0
     # The dream images x': "mean", sigmoid(decoder_theta'(z, s')), as the spec writes it; or "sample",
     # x' drawn from those Bernoulli pixels, as eq. 7's x' ~ q_theta'(x|z, s') reads (docs/method.md,
-    # "Where the old slots forget").
+    # "The slot or the shared encoder").
     images: str = "mean"
 
 

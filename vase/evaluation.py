@@ -89,8 +89,8 @@ def encoders_at(run_dir: Path, steps: list[int], every: int) -> dict[int, Path]:
 def own_slot_errors_by_encoder(run_dir: Path, steps: list[int], device: torch.device | str = "cpu") -> list[dict]:
     """Each environment's held-out error under the slot it trained in, with the decoders and masks of
     the run's newest checkpoint, decoded from the codes of the encoder saved at each step: how much
-    of what a slot lost is the shared encoder's drift since that step (docs/method.md, "Where the
-    old slots forget"). One row per step and environment the checkpoint has seen."""
+    of what a slot lost is the shared encoder's drift since that step (docs/method.md, "The slot
+    or the shared encoder"). One row per step and environment the checkpoint has seen."""
     from vase.inspection import open_run
 
     cfg = load_run_config(run_dir, trains=False)

@@ -198,11 +198,12 @@ class Evaluator(Callback):
         in (`slots`), decoded from the codes the encoder gave its images at the end of its stage. Against
         the same error from today's codes it splits what the slot lost since its stage: this much is
         the decoder's (and the mask's) doing, the rest the shared encoder's drift on real images
-        (docs/method.md, "Where the old slots forget"). None for a stage not finished yet."""
-        codes = self.record.stage_codes
-        return [  # through the frozen encoder, as `vase eval` recomputes them from the saved encoders
-self.learner.reconstruction_error(x, s, torch.tensor(codes[i], device=self.learner.device))
-                if i < len(codes) else None for i, (x, s) in enumerate(zip(self.held_out, slots))]
+        (docs/method.md, "The slot or the shared encoder"). None for a stage not finished yet. The
+        codes come through the frozen encoder, so `vase eval` rebuilds them bit for bit from the
+        encoders saved at the stage ends (`codes_from_saved_encoders`)."""
+        codes = [torch.tensor(c, device=self.learner.device) for c in self.record.stage_codes]
+        return [self.learner.reconstruction_error(x, s, codes[i]) if i < len(codes) else None
+                for i, (x, s) in enumerate(zip(self.held_out, slots))]
 
     def codes_from_saved_encoders(self, run_dir) -> None:
         """Rebuild the stage codes from the encoders saved at the stage ends (`vase eval` on a run
