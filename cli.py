@@ -262,7 +262,7 @@ def inspect(run_dir, pictures, step, used_only, image, source, envs, data_root, 
     """Write the paper's pictures of a run as PNG (and GIF) files into RUN_DIR/inspect.
 
     PICTURES: any of traversals, cross_domain, latent_use, atypicality, probes,
-    ambiguity (default: all). See docs/inspect.md.
+    own_slot, ambiguity (default: all). See docs/inspect.md.
     """
     from vase.inspection import InspectOptions, inspect_run
 

@@ -212,7 +212,8 @@ def test_inspect_writes_every_picture_and_prints_the_paths(tiny_run):
     assert result.exit_code == 0, result.output
     paths = [Path(line) for line in result.output.splitlines() if line.startswith(str(tiny_run))]
     names = {p.name for p in paths}
-    for stem in ("cross_domain_step8.png", "latent_use_step8.png", "atypicality_step8.png", "probes_step8.png"):
+    for stem in ("cross_domain_step8.png", "latent_use_step8.png", "atypicality_step8.png", "probes_step8.png",
+                 "own_slot_step8.png"):
         assert stem in names
     assert any(n.startswith("traversal_slot0_moving_shapes_a") and n.endswith(".png") for n in names)
     assert any(n.endswith(".gif") for n in names)
@@ -307,3 +308,10 @@ def test_open_run_leaves_the_run_directory_as_it_was(tiny_run):
     after = sorted(p.relative_to(tiny_run) for p in tiny_run.rglob("*") if "inspect" not in p.parts)
     assert before == after
 
+
+
+def test_the_help_names_every_picture():
+    from vase.inspection import PICTURES
+
+    text = " ".join(invoke(["inspect", "--help"]).output.split())
+    assert all(name in text for name in PICTURES)

@@ -95,9 +95,14 @@ def own_slot_errors_by_encoder(run_dir: Path, steps: list[int], device: torch.de
 
     cfg = load_run_config(run_dir, trains=False)
     paths = encoders_at(run_dir, steps, cfg.probe.every)
-    run = open_run(run_dir, device=device)
+    return own_slot_rows(open_run(run_dir, device=device), paths, device)
+
+
+def own_slot_rows(run, paths: dict[int, Path], device: torch.device | str = "cpu") -> list[dict]:
+    """`own_slot_errors_by_encoder` for an open run (`vase.inspection.open_run`) and the saved
+    encoders `paths` ({step: file})."""
     stages = run.inferred_environments()
-    encode = FrozenEncoder(cfg.model, device)
+    encode = FrozenEncoder(run.cfg.model, device)
     rows = []
     for step, path in paths.items():
         encode.load(load_weights(path))

@@ -19,11 +19,12 @@ from vase.ambiguity import ambiguity_strip, measure_ambiguity
 from vase.checkpoint import has_checkpoint, load_checkpoint
 from vase.config import load_run_config
 from vase.errors import ConfigError, VaseError
-from vase.metrics.plots import ambiguity_figure, traversal_figure
+from vase.evaluation import own_slot_rows, saved_encoders
+from vase.metrics.plots import ambiguity_figure, own_slot_figure, traversal_figure
 from vase.visualize import latent_colours, traversal_animation, traversal_frames
 
 INSPECT_DIR = "inspect"
-PICTURES = ("traversals", "cross_domain", "latent_use", "atypicality", "probes", "ambiguity")
+PICTURES = ("traversals", "cross_domain", "latent_use", "atypicality", "probes", "own_slot", "ambiguity")
 # The GIF's sweep: -2..2 (docs/method.md) and back, 100 ms a frame.
 GIF_VALUES = torch.linspace(-2.0, 2.0, 9)
 GIF_MS = 100
@@ -84,6 +85,12 @@ def inspect_run(run_dir: Path, names: tuple[str, ...], options: InspectOptions, 
         elif picture == "cross_domain":
             name = "cross_domain" + (f"_{options.source}" if options.source else "")
             written.append(save_png(figures.cross_domain(run, source), out / f"{name}_{tag}.png"))
+        elif picture == "own_slot":
+            rgb = own_slot_picture(run, run_dir, options.device)
+            if rgb is None:
+                echo(f"own_slot: no saved encoder up to step {run.learner.step}")
+                continue
+            written.append(save_png(rgb, out / f"own_slot_{tag}.png"))
         elif picture == "ambiguity":
             try:
                 written += write_ambiguity(run, out, tag, options.envs, echo)
@@ -100,6 +107,15 @@ def inspect_run(run_dir: Path, names: tuple[str, ...], options: InspectOptions, 
                 continue
             written.append(save_png(rgb, out / f"{picture}_{tag}.png"))
     return written
+
+
+def own_slot_picture(run, run_dir: Path, device: str) -> np.ndarray | None:
+    """`own_slot_figure` from every encoder the run saved up to the checkpoint read."""
+    paths = {step: path for step, path in saved_encoders(run_dir).items() if step <= run.learner.step}
+    if not paths:
+        return None
+    after = [row[i] for i, row in enumerate(run.record.recon_matrix)]
+    return own_slot_figure(own_slot_rows(run, paths, device), run.stream.ends, after)
 
 
 def save_png(rgb: np.ndarray | torch.Tensor, path: Path) -> Path:

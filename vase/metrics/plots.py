@@ -46,6 +46,31 @@ def probe_curves_figure(history: Sequence[tuple[int, dict]], env_end_steps: Sequ
     return figure_to_rgb(fig)
 
 
+def own_slot_figure(rows: Sequence[dict], env_end_steps: Sequence[int], after_stage: Sequence[float]) -> np.ndarray:
+    """Each environment's held-out error under its own slot with the decoders of one checkpoint,
+    decoded from the codes of the encoder of each saved step (`vase.evaluation.own_slot_rows`): a
+    line per environment, its error just after its own stage as a dashed level of its colour, and
+    the stage ends dotted. Where a line climbs after its stage, the encoder's codes drifted away
+    from what the slot decodes (docs/method.md, "The slot or the shared encoder")."""
+    fig = Figure(figsize=FIGSIZE, dpi=DPI)
+    ax = fig.subplots()
+    names = list(dict.fromkeys((r["environment"], r["slot"]) for r in rows))
+    for i, (name, slot) in enumerate(names):
+        points = [(r["step"], r["error"]) for r in rows if (r["environment"], r["slot"]) == (name, slot)]
+        steps, errors = zip(*points)
+        line, = ax.plot(steps, errors, marker=".", label=f"{name} (slot {slot})")
+        if i < len(after_stage):
+            ax.axhline(after_stage[i], color=line.get_color(), linestyle="--", linewidth=1.0)
+    ax.set_yscale("log")
+    ax.set_xlabel("step of the encoder")
+    ax.set_ylabel("held-out error under its own slot (nats)")
+    ax.set_title(f"decoders of step {rows[0]['checkpoint_step']}; dashed: each environment after its stage",
+                 fontsize="small")
+    _mark_boundaries(ax, env_end_steps)
+    ax.legend(fontsize="small", loc="best")
+    return figure_to_rgb(fig)
+
+
 def atypicality_figure(
     steps: Sequence[int],
     alpha: np.ndarray,
