@@ -101,16 +101,18 @@ def own_slot_errors_by_encoder(run_dir: Path, steps: list[int], device: torch.de
 def own_slot_rows(run, paths: dict[int, Path], device: torch.device | str = "cpu") -> list[dict]:
     """`own_slot_errors_by_encoder` for an open run (`vase.inspection.open_run`) and the saved
     encoders `paths` ({step: file})."""
-    stages = run.inferred_environments()
+    stages = list(zip(run.inferred_environments(), run.held_out))
+    # Today's codes do not depend on the step read: decoded once per environment.
+    now = [run.learner.reconstruction_error(x, stage["inferred_env"]) for stage, x in stages]
     encode = FrozenEncoder(run.cfg.model, device)
     rows = []
     for step, path in paths.items():
         encode.load(load_weights(path))
-        for stage, x in zip(stages, run.held_out):
+        for (stage, x), today in zip(stages, now):
             slot = stage["inferred_env"]
             rows.append({"step": step, "environment": stage["true_env"], "slot": slot,
                          "error": run.learner.reconstruction_error(x, slot, encode(x)),
-                         "now": run.learner.reconstruction_error(x, slot), "checkpoint_step": run.learner.step})
+                         "now": today, "checkpoint_step": run.learner.step})
     return rows
 
 
