@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from vase.config import build_config, load_run_config, option_overrides, preset_names, schedule_names
+from vase.config_sections import PROBE_READINGS
 from vase.config_values import comma_list
 from vase.errors import VaseError
 
@@ -167,8 +168,11 @@ def _refuse_with_resume(ctx: click.Context) -> None:
               help="Instead: each environment's held-out error under its own slot with the newest "
                    "checkpoint's decoders, decoded from the codes of the encoders saved at these steps, "
                    "e.g. 12000,24000: how much of what a slot lost is the encoder's drift (docs/method.md).")
+@click.option("--reading", type=click.Choice(PROBE_READINGS), default=None,
+              help="The code the probes read: mean, mu(x) of every latent; or sample, the paper's reading, "
+                   "the masked posterior under the slot q_psi picks (docs/probes.md). Default: the run's own.")
 @_device_option()
-def evaluate(run_dir, as_json, steps, batches, own_slot, device):
+def evaluate(run_dir, as_json, steps, batches, own_slot, reading, device):
     """Recompute probes and metrics from a run's checkpoints and print them."""
     from vase.evaluation import evaluate_run, own_slot_errors_by_encoder, own_slot_text
     from vase.summary import summary_text
@@ -181,7 +185,7 @@ def evaluate(run_dir, as_json, steps, batches, own_slot, device):
         if own_slot is not None:
             rows = own_slot_errors_by_encoder(Path(run_dir), _steps("--own-slot", own_slot), _resolve_device(device))
             return click.echo(json.dumps(rows, indent=2) if as_json else own_slot_text(rows))
-        results = evaluate_run(Path(run_dir), device=_resolve_device(device))
+        results = evaluate_run(Path(run_dir), device=_resolve_device(device), reading=reading)
     except VaseError as e:
         _fail(e)
     click.echo(json.dumps(results, indent=2) if as_json else summary_text(results, Path(run_dir)))

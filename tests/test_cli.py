@@ -181,6 +181,34 @@ def test_eval_reproduces_the_training_probes_exactly(sprite_run):
 
 
 @pytest.mark.slow
+def test_eval_reads_a_run_the_papers_way_as_the_run_itself_would_have(sprite_run, sprite_data, tmp_path):
+    """The probe reading leaves training untouched, so `vase eval --reading sample` of a run that read
+    mu must give exactly what the same run trained with probe.reading=sample recorded."""
+    run, result = sprite_run
+    assert result.exit_code == 0, result.output
+    sampled_run = tmp_path / "sampled"
+    trained = invoke(tiny_args(sampled_run, sprite_data, probe__reading="sample"))
+    assert trained.exit_code == 0, trained.output
+    recorded = json.loads((sampled_run / "results.json").read_text())["probes"]
+    evaluated = invoke(["eval", str(run), "--reading", "sample", "--json"])
+    assert evaluated.exit_code == 0, evaluated.output
+    recomputed = json.loads(evaluated.stdout)["probes"]
+    assert recomputed["reading"] == recorded["reading"] == "sample"
+    assert recomputed["history"] == recorded["history"]
+    assert recomputed["table1"] == recorded["table1"]
+    mean = json.loads((run / "results.json").read_text())["probes"]["history"]
+    assert recomputed["history"] != mean  # the two readings are not the same numbers
+    back = invoke(["eval", str(sampled_run), "--reading", "mean", "--json"])
+    assert json.loads(back.stdout)["probes"]["history"] == mean
+    old = tmp_path / "old-run"  # as written before runs kept their slots
+    shutil.copytree(run, old)
+    shutil.rmtree(old / "checkpoints" / "slots")
+    refused = CliRunner().invoke(main, ["eval", str(old), "--reading", "sample"])
+    assert refused.exit_code != 0 and "kept no slots of step 10" in refused.output
+    assert "Traceback" not in refused.output
+
+
+@pytest.mark.slow
 def test_eval_atypicality_reads_every_environment_under_each_saved_encoder(sprite_run):
     run, result = sprite_run
     assert result.exit_code == 0, result.output

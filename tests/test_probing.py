@@ -215,35 +215,68 @@ def test_repeated_environment_names_are_disambiguated():
     assert all(not math.isnan(v) for v in values.values())
 
 
-def test_the_papers_reading_samples_the_masked_posterior_under_the_inferred_slot():
-    """z = mu + sigma * eps on the slot's unmasked latents and pure prior noise on its masked ones,
-    with the same draws for the same seed."""
+def _one_step_learner(ablation="SDA"):
     from vase.config import build_config
-    from vase.evaluation import FrozenEncoder
     from vase.learner import Learner
-    from vase.probing import PosteriorSamples
 
     cfg = build_config("cpu", ["model.channels=8,8,8,8", "model.hidden=32", "model.latents=6", "model.k_max=4",
-                               "train.batch_size=16", "dream.batch_size=8"], "SDA")
+                               "train.batch_size=16", "dream.batch_size=8"], ablation)
     learner = Learner(cfg)
     x = (torch.rand(16, 1, 64, 64, generator=torch.Generator().manual_seed(0)) < 0.1).float()
     learner.training_step(x)  # allocates slot 0
+    return cfg, learner, x
+
+
+def test_the_papers_reading_samples_the_masked_posterior_under_the_inferred_slot():
+    """z = mu + sigma * eps on the slot's unmasked latents and pure prior noise on its masked ones,
+    with the same draws for the same seed."""
+    from vase.evaluation import FrozenEncoder
+    from vase.probing import PosteriorSamples, SlotReading
+
+    cfg, learner, x = _one_step_learner()
     learner.slots[0].mask = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 1.0])
     encoder = FrozenEncoder(cfg.model).load(learner.model.encoder.state_dict())
-    z = PosteriorSamples(encoder, learner, seed=7)(x)
+    slots = SlotReading.of(learner)
+    z = PosteriorSamples(encoder, slots, seed=7)(x)
     eps = torch.randn(z.shape, generator=torch.Generator().manual_seed(7))
     post = encoder.posterior(x)
     keep = learner.slots[0].mask.bool()
     assert torch.allclose(z[:, keep], (post.mu + (0.5 * post.logvar).exp() * eps)[:, keep])
     assert torch.equal(z[:, ~keep], eps[:, ~keep])
-    assert torch.equal(z, PosteriorSamples(encoder, learner, seed=7)(x))
+    assert torch.equal(z, PosteriorSamples(encoder, slots, seed=7)(x))
 
 
-def test_eval_refuses_to_recompute_the_sampled_reading(tmp_path):
+def test_the_kept_slots_pick_the_slot_the_inference_picks_and_survive_a_round_trip(tmp_path):
+    """SlotReading.slot_of is eq. 6's s_hat (the argmax of the chunk-averaged q_psi over the
+    allocated slots), and saving then loading it changes neither the masks nor the pick."""
+    from vase.checkpoint import load_weights, save_weights
+    from vase.probing import SlotReading
+
+    cfg, learner, x = _one_step_learner()
+    inference = learner.inference
+    inference.allocate(1, 1, "test", [])  # a second slot, with its own mask
+    learner.slots[1].mask = torch.tensor([0.0, 1.0, 1.0, 1.0, 1.0, 0.0])
+    hidden = learner.model.encoder(x).hidden
+    # The last bias favours a slot not yet allocated: the pick stays among slots 0 and 1.
+    for bias, picks in (([0.0, 50.0, 0.0, 0.0], {1}), ([50.0, 0.0, 0.0, 0.0], {0}), ([0.0, 0.0, 90.0, 0.0], {0, 1})):
+        with torch.no_grad():
+            learner.classifier.linear.bias.copy_(torch.tensor(bias))
+        slots = SlotReading.of(learner)
+        assert slots.slot_of(hidden) in picks
+        assert slots.slot_of(hidden) == inference.slot_of(x, learner.model.encoder)
+        save_weights(tmp_path / "slots.pt", slots.state_dict())
+        loaded = SlotReading.load(load_weights(tmp_path / "slots.pt"), cfg.model)
+        assert torch.equal(loaded.masks, torch.stack([learner.mask(0), learner.mask(1)]))
+        assert loaded.slot_of(hidden) == slots.slot_of(hidden)
+
+
+def test_a_run_without_kept_slots_is_read_the_papers_way_only_with_s_and_a_off(tmp_path):
     from vase.config import build_config
     from vase.errors import VaseError
-    from vase.evaluation import evaluate_run
+    from vase.evaluation import slots_at
 
-    (tmp_path / "config.json").write_text(build_config("cpu", ["probe.reading=sample"]).to_json())
-    with pytest.raises(VaseError, match="probe.reading=sample"):
-        evaluate_run(tmp_path)
+    plain = slots_at(tmp_path, build_config("cpu", [], "-"), step=10)
+    assert plain.classifier is None and torch.equal(plain.masks, torch.ones(1, plain.masks.shape[1]))
+    for ablation in ("S", "A", "SDA"):
+        with pytest.raises(VaseError, match="kept no slots of step 10"):
+            slots_at(tmp_path, build_config("cpu", [], ablation), step=10)

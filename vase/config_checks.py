@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from vase.config_sections import RULE_SETS
+from vase.config_sections import PROBE_READINGS, RULE_SETS
 from vase.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -61,8 +61,8 @@ def problems(cfg: Config) -> list[str]:
             errs.append(f"train.{name} must be at least 1")
     if cfg.probe.every < 1 or cfg.probe.train_size < 2 or cfg.probe.test_size < 1:
         errs.append("probe.every, probe.train_size and probe.test_size must be positive")
-    if cfg.probe.reading not in ("mean", "sample"):
-        errs.append(f"probe.reading must be 'mean' or 'sample', got {cfg.probe.reading!r}")
+    if cfg.probe.reading not in PROBE_READINGS:
+        errs.append(f"probe.reading must be one of {', '.join(PROBE_READINGS)}, got {cfg.probe.reading!r}")
     if not cfg.data.sequence:
         errs.append("data.sequence is empty")
     try:

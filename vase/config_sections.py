@@ -189,6 +189,9 @@ class TrainConfig:
     progress: bool = True
 
 
+PROBE_READINGS = ("mean", "sample")  # ProbeConfig.reading
+
+
 @dataclass
 class ProbeConfig:
     enabled: bool = True

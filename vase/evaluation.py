@@ -7,6 +7,7 @@ latents that carry each factor in every environment (`factor_latents` of the lat
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,19 +16,21 @@ import torch
 
 from vase.checkpoint import has_checkpoint, load_weights
 from vase.config import Config, load_run_config
+from vase.config_sections import PROBE_READINGS
 from vase.conv_paths import place
 from vase.data.environments import load_sequence
 from vase.errors import VaseError
 from vase.metrics.disentanglement import dci, mig
 from vase.metrics.factor_latents import strongest_latents
 from vase.networks import Encoder
-from vase.probing import ProbeSuite
+from vase.probing import PosteriorSamples, ProbeSuite, SlotReading
 
 # Held-out images per environment for MIG/DCI [ours]: enough for 20-bin histograms, fast on 2 cores.
 METRIC_IMAGES = 2000
 # Held-out images per environment for the reconstruction-error matrix and the latent-use table.
 HELD_OUT = 512
 ENCODER_DIR = "encoders"
+SLOTS_DIR = "slots"  # the masks and q_psi of every probe point, for the paper's reading
 
 
 class FrozenEncoder:
@@ -68,6 +71,23 @@ def factor_latents(env, encode: FrozenEncoder, x: torch.Tensor) -> dict:
 
 def encoder_path(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / ENCODER_DIR / f"step-{step:08d}.pt"
+
+
+def slots_path(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / SLOTS_DIR / f"step-{step:08d}.pt"
+
+
+def slots_at(run_dir: Path, cfg: Config, step: int, device: torch.device | str = "cpu") -> SlotReading:
+    """The slots the run kept at this probe point. A run with S and A off has one slot and no mask,
+    so it needs none kept; any other run without them cannot be read the paper's way."""
+    path = slots_path(run_dir, step)
+    if path.exists():
+        return SlotReading.load(load_weights(path), cfg.model, device)
+    if not cfg.inference.enabled and not cfg.mask.enabled:
+        return SlotReading.single(cfg.model.latents, device)
+    raise VaseError(
+        f"{run_dir} kept no slots of step {step} (checkpoints/{SLOTS_DIR}): the paper's reading (probe.reading="
+        "sample) needs each probe point's masks and classifier, which runs save from this version of vase on")
 
 
 def saved_encoders(run_dir: Path) -> dict[int, Path]:
@@ -160,14 +180,14 @@ def disentanglement_scores(envs: list, encode, stage: int, seed: int) -> dict:
     return {"stage": stage, "scores": scores}
 
 
-def evaluate_run(run_dir: Path, progress: bool = False, device: torch.device | str = "cpu") -> dict:
-    """Recompute probes and metrics of a finished (or partial) run from its saved encoders."""
+def evaluate_run(run_dir: Path, progress: bool = False, device: torch.device | str = "cpu",
+                 reading: str | None = None) -> dict:
+    """Recompute probes and metrics of a finished (or partial) run from its saved encoders, the
+    probes under `reading` (`probe.reading`: mean or sample; by default the run's own)."""
     cfg: Config = load_run_config(run_dir, trains=False)
-    if cfg.probe.reading == "sample":
-        raise VaseError(
-            f"{run_dir} read its probes from posterior samples under the inferred slot (probe.reading=sample); "
-            "they need the masks and the classifier of each probe point, which only the run itself had, so "
-            "`vase eval` cannot recompute them: its results.json holds them")
+    reading = reading or cfg.probe.reading
+    if reading not in PROBE_READINGS:
+        raise VaseError(f"reading {reading!r}: give one of {', '.join(PROBE_READINGS)}")
     results_path = Path(run_dir) / "results.json"
     stored = json.loads(results_path.read_text()) if results_path.exists() else {}
     files = saved_encoders(run_dir)
@@ -175,12 +195,15 @@ def evaluate_run(run_dir: Path, progress: bool = False, device: torch.device | s
         raise VaseError(f"{run_dir} has no saved encoders (checkpoints/{ENCODER_DIR}); was it trained with probes on?")
     envs = [env.to(device) for env in load_sequence(cfg.data, "test", progress=progress)]
     ends = list(np.cumsum(cfg.data.env_steps()))
-    suite = ProbeSuite(envs, cfg.probe)
+    suite = ProbeSuite(envs, dataclasses.replace(cfg.probe, reading=reading))
     encode = FrozenEncoder(cfg.model, device)
     metrics = []
     for step, path in files.items():
         encode.load(load_weights(path))
-        suite.evaluate(encode, step)
+        if reading == "sample":
+            suite.evaluate(PosteriorSamples(encode, slots_at(run_dir, cfg, step, device), cfg.probe.seed + step), step)
+        else:
+            suite.evaluate(encode, step)
         if step in ends:
             stage = ends.index(step)
             suite.mark_boundary(stage, step)

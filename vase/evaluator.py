@@ -27,11 +27,12 @@ from vase.evaluation import (
     factor_latents,
     held_out_images,
     saved_encoders,
+    slots_path,
 )
 from vase.learner import Learner
 from vase.masking import atypicality, information
 from vase.objective import kl_per_latent
-from vase.probing import PosteriorSamples, ProbeSuite
+from vase.probing import PosteriorSamples, ProbeSuite, SlotReading
 from vase.stream import Stream
 
 
@@ -137,12 +138,15 @@ class Evaluator(Callback):
         self.record.wall_time = time.perf_counter() - self._began
 
     def _probe(self, trainer, step: int, finished_env: int | None) -> None:
-        # The encoder at every probe point is kept, so `vase eval` can recompute these exact numbers.
+        # The encoder and the slots at every probe point are kept, so `vase eval` can recompute
+        # these exact numbers under either reading (docs/probes.md).
         weights = self.learner.model.encoder.state_dict()
         save_weights(encoder_path(trainer.run_dir, step), weights)
+        slots = SlotReading.of(self.learner)
+        save_weights(slots_path(trainer.run_dir, step), slots.state_dict())
         encode = self.frozen_encoder.load(weights)
         if self.cfg.probe.reading == "sample":
-            encode = PosteriorSamples(encode, self.learner, self.cfg.probe.seed + step)
+            encode = PosteriorSamples(encode, slots, self.cfg.probe.seed + step)
         self.probes.evaluate(encode, step)
         if finished_env is not None:
             self.probes.mark_boundary(finished_env, step)

@@ -16,6 +16,7 @@ run without them.
 """
 from __future__ import annotations
 
+import copy
 import math
 import random
 from contextlib import contextmanager
@@ -76,20 +77,65 @@ def encode_indices(env, indices: np.ndarray, encode: Encode, chunk: int = ENCODE
     return np.concatenate(parts, axis=0)
 
 
+class SlotReading:
+    """What the paper's reading needs of the slots at one probe point: the mask a^s each allocated
+    slot applies (eq. 2), and q_psi, which picks the slot (None with S off: every image is slot 0).
+    The trainer saves one beside the encoder at every probe point, so `vase eval` can recompute
+    the reading (docs/probes.md)."""
+
+    def __init__(self, masks: torch.Tensor, classifier: torch.nn.Module | None):
+        self.masks, self.classifier = masks, classifier  # masks: (allocated slots, latents)
+
+    @classmethod
+    def of(cls, learner) -> SlotReading:
+        """The learner's slots as they are now (the classifier's weights copied)."""
+        inference = learner.inference
+        masks = torch.stack([inference.mask(env) for env in range(max(inference.n_envs, 1))]).float()
+        classifier = copy.deepcopy(learner.classifier) if learner.cfg.inference.enabled else None
+        return cls(masks, classifier)
+
+    @classmethod
+    def single(cls, latents: int, device: torch.device | str = "cpu") -> SlotReading:
+        """S and A off: one slot, every latent unmasked."""
+        return cls(torch.ones(1, latents, device=device), None)
+
+    def slot_of(self, hidden: torch.Tensor) -> int:
+        """s_hat for a chunk of images: the argmax of the chunk-averaged q_psi(s|x) over the
+        allocated slots, as eq. 6's inference predicts it."""
+        if self.classifier is None:
+            return 0
+        probs = torch.softmax(self.classifier(hidden), dim=1).mean(0)
+        return int(probs[: self.masks.shape[0]].argmax())
+
+    def state_dict(self) -> dict:
+        return {"masks": self.masks.cpu(),
+                "classifier": None if self.classifier is None else self.classifier.state_dict()}
+
+    @classmethod
+    def load(cls, state: dict, cfg_model, device: torch.device | str = "cpu") -> SlotReading:
+        from vase.networks import EnvironmentClassifier
+
+        classifier = None
+        if state["classifier"] is not None:
+            classifier = EnvironmentClassifier(cfg_model).to(device)
+            classifier.load_state_dict(state["classifier"])
+        return cls(state["masks"].to(device), classifier)
+
+
 class PosteriorSamples:
     """The paper's probe reading: codes z drawn from the masked posterior of eq. 2 under the slot
-    the classifier picks for each chunk of images (as `Learner.infer_slot` decides), masked latents
-    as prior noise. The noise comes from a generator seeded afresh for every evaluation, so the
-    same encoder, masks and classifier give the same codes."""
+    q_psi picks for each chunk of images, masked latents as prior noise. The noise comes from a
+    generator seeded afresh for every evaluation, so the same encoder and slots give the same
+    codes."""
 
-    def __init__(self, encoder, learner, seed: int):
-        self.encoder, self.learner = encoder, learner
-        self.generator = torch.Generator(device=learner.device).manual_seed(seed)
+    def __init__(self, encoder, slots: SlotReading, seed: int):
+        self.encoder, self.slots = encoder, slots
+        self.generator = torch.Generator(device=slots.masks.device).manual_seed(seed)
 
     @torch.no_grad()
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         post = self.encoder.posterior(x)
-        mask = self.learner.mask(self.learner.infer_slot(x))
+        mask = self.slots.masks[self.slots.slot_of(post.hidden)]
         noise = torch.randn(post.mu.shape, generator=self.generator, device=post.mu.device)
         return masked_sample(post.mu, post.logvar, mask, noise)
 
