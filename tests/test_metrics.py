@@ -1,5 +1,6 @@
 """Tests of the model-free metric library: probes, MIG/DCI, Table 1 / R-matrix summaries, plots."""
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -293,6 +294,17 @@ def test_latent_use_figure_is_an_rgb_image_that_shows_the_mask():
     _assert_image(img)
     rows[0]["masked"] = [2]
     assert not np.array_equal(img, latent_use_figure(rows, 0.1))
+
+
+def test_latent_use_figure_of_slots_that_mask_every_latent_draws_without_a_warning():
+    """Eq. 5 as printed can close all of a slot's latents (docs/method.md): the picture is then all
+    crosses, and numpy's all-NaN warning must not reach the run's log."""
+    rows = _use_rows()
+    for row in rows:
+        row["masked"] = [0, 1, 2, 3]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _assert_image(latent_use_figure(rows, 0.1))
 
 
 def test_cross_domain_figure_is_an_rgb_image_that_frames_the_trained_slot():

@@ -118,7 +118,8 @@ def latent_use_figure(rows: Sequence[dict], used_kl: float) -> np.ndarray:
     the run summary does. Values are printed where they reach 0.5 nat, so the weak tail reads apart
     from the real factors."""
     info = latent_use_matrix(rows)
-    shown, top = np.nan_to_num(info, nan=0.0), np.nanmax(info)
+    shown = np.nan_to_num(info, nan=0.0)
+    top = shown.max()  # information is >= 0, so a masked cell's 0 never raises it; all masked is 0
     fig = Figure(figsize=(FIGSIZE[0], 1.2 + 0.45 * len(rows)), dpi=DPI)
     ax = fig.subplots()
     image = ax.imshow(shown, cmap="Greens", vmin=0.0, vmax=max(1.0, top), aspect="auto")
