@@ -194,6 +194,8 @@ def test_eval_reads_a_run_the_papers_way_as_the_run_itself_would_have(sprite_run
     assert evaluated.exit_code == 0, evaluated.output
     recomputed = json.loads(evaluated.stdout)["probes"]
     assert recomputed["reading"] == recorded["reading"] == "sample"
+    text = invoke(["eval", str(run), "--reading", "sample"]).stdout
+    assert "the probes read posterior samples under the inferred slot (probe.reading=sample" in text
     assert recomputed["history"] == recorded["history"]
     assert recomputed["table1"] == recorded["table1"]
     mean = json.loads((run / "results.json").read_text())["probes"]["history"]
