@@ -4,7 +4,9 @@ Eq. 6's mask test can only tell a new environment from a past one if some latent
 relies on turns atypical on the new data (paper §3.3). `vase eval RUN --atypicality STEPS`
 measures that premise after the fact: for each saved encoder step and each environment of the
 sequence, alpha on random held-out batches of the training batch size, as eq. 5 would see them,
-one batch at a time. docs/method.md ("Why moving MNIST joined moving Fashion's slot") reads it.
+one batch at a time, and the information each latent carries on those batches (KL minus alpha,
+`vase.masking.information`). docs/method.md ("Why moving MNIST joined moving Fashion's slot",
+"Table 1 under the paper's reading") reads it.
 """
 from __future__ import annotations
 
@@ -17,9 +19,11 @@ from vase.checkpoint import load_weights
 from vase.config import Config
 from vase.data.environments import load_sequence
 from vase.evaluation import FrozenEncoder, encoders_at
-from vase.masking import atypicality
+from vase.masking import atypicality, information
+from vase.objective import kl_per_latent
 
 QUANTILES = (0.1, 0.5, 0.9)
+INFORMATIVE, INFORMATION_SHOWN = 8, 0.05  # the text shows at most 8 latents, those above 0.05 nat
 
 
 @dataclass
@@ -29,6 +33,7 @@ class Typicality:
     step: int
     environment: str
     alpha: torch.Tensor  # (batches, N): eq. 4 on each batch
+    information: torch.Tensor  # (batches, N): nats each latent carries on each batch
 
     def top(self) -> torch.Tensor:
         """Each batch's highest alpha over the latents: what eq. 5 compares with lambda_high."""
@@ -44,19 +49,22 @@ class Typicality:
     def as_dict(self) -> dict:
         return {"step": self.step, "environment": self.environment, "top_alpha_quantiles": dict(
             zip((f"p{round(q * 100)}" for q in QUANTILES), self.top_quantiles())),
-            "top_latent": self.top_latent(), "mean_alpha": self.alpha.mean(0).tolist()}
+            "top_latent": self.top_latent(), "mean_alpha": self.alpha.mean(0).tolist(),
+            "mean_information": self.information.mean(0).tolist()}
 
 
 @torch.no_grad()
 def batch_atypicality(encode, images_of, n_images: int, batches: int, batch_size: int,
-                      generator: torch.Generator) -> torch.Tensor:
-    """(batches, N) alpha of `batches` batches drawn at random (with `generator`) from n_images
-    images; `images_of(indices)` gives the images, `encode(x)` the posterior (mu, logvar)."""
-    rows = []
+                      generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(batches, N) alpha and information of `batches` batches drawn at random (with `generator`)
+    from n_images images; `images_of(indices)` gives the images, `encode(x)` the posterior."""
+    alphas, infos = [], []
     for _ in range(batches):
         post = encode(images_of(torch.randint(n_images, (batch_size,), generator=generator)))
-        rows.append(atypicality(post.mu, post.logvar).cpu())
-    return torch.stack(rows)
+        alpha = atypicality(post.mu, post.logvar)
+        alphas.append(alpha.cpu())
+        infos.append(information(kl_per_latent(post.mu, post.logvar).mean(0), alpha).cpu())
+    return torch.stack(alphas), torch.stack(infos)
 
 
 def run_typicality(run_dir: Path, cfg: Config, steps: list[int], batches: int = 40, seed: int = 0,
@@ -71,23 +79,28 @@ def run_typicality(run_dir: Path, cfg: Config, steps: list[int], batches: int = 
     for step in steps:
         encode.load(load_weights(kept[step]))
         for env in envs:
-            alpha = batch_atypicality(encode.posterior, env.batch, len(env), batches, cfg.train.batch_size, generator)
-            out.append(Typicality(step, env.name, alpha))
+            alpha, info = batch_atypicality(encode.posterior, env.batch, len(env), batches, cfg.train.batch_size,
+                                            generator)
+            out.append(Typicality(step, env.name, alpha, info))
     return out
 
 
 def typicality_text(rows: list[Typicality], lambdas: tuple[float, float]) -> str:
-    """One line per step and environment: the quantiles of the batches' highest alpha, and the
-    latents whose mean alpha is above lambda_low."""
+    """One line per step and environment: the quantiles of the batches' highest alpha, the latents
+    whose mean alpha is above lambda_low, and the latents that carry the most information."""
     n = len(rows[0].top()) if rows else 0
     lines = [f"alpha (eq. 4) of {n} held-out batches per environment; eq. 5's band is "
              f"lambda_low {lambdas[0]:g} .. lambda_high {lambdas[1]:g}",
-             f"  {'step':>7}  {'environment':16} top alpha p10 / p50 / p90  (mostly)  mean alpha above lambda_low"]
+             f"  {'step':>7}  {'environment':16} top alpha p10 / p50 / p90  (mostly)  mean alpha above lambda_low"
+             f"  |  most information (nats, mean over the batches)"]
     for row in rows:
         q = row.top_quantiles()
         mean = row.alpha.mean(0)
         above = " ".join(f"z{i} {mean[i]:.2f}" for i in torch.argsort(mean, descending=True).tolist()
                          if mean[i] > lambdas[0])
+        info = row.information.mean(0)
+        carried = " ".join(f"z{i} {info[i]:.2f}" for i in torch.argsort(info, descending=True)[:INFORMATIVE].tolist()
+                           if info[i] > INFORMATION_SHOWN)
         lines.append(f"  {row.step:>7}  {row.environment:16} {q[0]:6.2f} / {q[1]:.2f} / {q[2]:.2f}"
-                     f"  (z{row.top_latent()})  {above or '-'}")
+                     f"  (z{row.top_latent()})  {above or '-'}  |  {carried or '-'}")
     return "\n".join(lines)
