@@ -127,7 +127,7 @@ class EnvironmentInference:
         """The slot the classifier would pick for x; evaluation only, no decision."""
         if self.n_envs == 0:
             return 0
-        return self.predict(F.softmax(self.classifier(encoder(x).hidden), dim=1).mean(0))
+        return most_likely_slot(self.classifier, encoder(x).hidden, self.n_envs)
 
     # -- queries ----------------------------------------------------------------------------------
     def past_environments(self) -> list[int]:
@@ -328,6 +328,12 @@ class SingleEnvironment(EnvironmentInference):
         if self.n_envs == 0:
             return self.allocate(step, 0, "first", [])
         return Decision(step, 0, 0, "same")
+
+
+def most_likely_slot(classifier: torch.nn.Module, hidden: torch.Tensor, n_envs: int) -> int:
+    """s_hat for a chunk of images: the argmax, over the n_envs allocated slots, of q_psi(s|x)
+    averaged over the chunk (eq. 6's prediction, as `EnvironmentInference.predict` reads it)."""
+    return int(F.softmax(classifier(hidden), dim=1).mean(0)[:n_envs].argmax())
 
 
 def build(cfg: Config, device: torch.device | str = "cpu", classifier: torch.nn.Module | None = None,

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from vase.errors import CheckpointError
+from vase.inference import most_likely_slot
 from vase.metrics.continual import (
     ACCURACY,
     KINDS,
@@ -100,12 +101,10 @@ class SlotReading:
         return cls(torch.ones(1, latents, device=device), None)
 
     def slot_of(self, hidden: torch.Tensor) -> int:
-        """s_hat for a chunk of images: the argmax of the chunk-averaged q_psi(s|x) over the
-        allocated slots, as eq. 6's inference predicts it."""
+        """s_hat for a chunk of images, as eq. 6's inference predicts it (0 with S off)."""
         if self.classifier is None:
             return 0
-        probs = torch.softmax(self.classifier(hidden), dim=1).mean(0)
-        return int(probs[: self.masks.shape[0]].argmax())
+        return most_likely_slot(self.classifier, hidden, self.masks.shape[0])
 
     def state_dict(self) -> dict:
         return {"masks": self.masks.cpu(),

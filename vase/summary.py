@@ -98,12 +98,12 @@ def summary_text(results: dict, run_dir: Path) -> str:
     if probes:
         from vase.metrics.continual import format_table1_row, table1_header
         from vase.report import READINGS
-        from vase.table1 import row_label
+        from vase.table1 import probe_reading, row_label
 
         final = probes["history"][-1]["values"] if probes.get("history") else {}
         if final:
             lines.append("final probes: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(final.items())))
-        reading = probes.get("reading", "mean")
+        reading = probe_reading(results)
         lines.append(f"the probes read {READINGS[reading]} (probe.reading={reading}, docs/probes.md)")
         lines.append("Table 1 row:")
         lines.append("  " + table1_header())

@@ -29,7 +29,7 @@ def load_results(run_dirs: list[Path]) -> list[dict]:
     return out
 
 
-def _reading(result: dict) -> str:
+def probe_reading(result: dict) -> str:
     """What the run's probes read: "mean" (mu of every latent) or "sample" (the paper's reading)."""
     return (result.get("probes") or {}).get("reading", "mean")
 
@@ -97,7 +97,7 @@ def table1_rows(results: list[dict]) -> list[dict]:
     groups: dict[tuple, list[dict]] = {}
     for r in results:
         key = (r["mode"], row_label(r), ",".join(r["sequence"]), r.get("preset"), str(r.get("steps_per_env")),
-               _reading(r), r.get("capacity_ramp_steps"))
+               probe_reading(r), r.get("capacity_ramp_steps"))
         groups.setdefault(key, []).append(r)
     rows = []
     for (mode, ablation, sequence, _, _, reading, ramp), runs in groups.items():
