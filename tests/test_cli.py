@@ -41,7 +41,7 @@ RESULT_KEYS = {
     "environments_inferred", "environments_true", "inferred_vs_true", "inference_events", "pending_batches",
     "final_masks", "heldout_reconstruction_matrix", "cross_domain_errors", "latent_use", "disentanglement", "probes",
     "weight_gradients", "device", "rules", "rules_without", "rule_names", "capacity_form", "snapshot_every",
-    "sync_at_allocation", "own_slot_errors_stage_codes", "dream_images",
+    "sync_at_allocation", "own_slot_errors_stage_codes", "dream_images", "capacity_max", "capacity_ramp_steps",
 }
 
 
@@ -130,6 +130,8 @@ def test_train_prints_the_summary_and_writes_the_run(sprite_run, sprite_data):
     results = json.loads((run / "results.json").read_text())
     assert RESULT_KEYS <= set(results)
     assert results["steps"] == 3 * STEPS
+    assert (results["capacity_max"], results["capacity_ramp_steps"]) == (
+        config["objective"]["capacity_max"], config["objective"]["capacity_ramp_steps"])
     assert results["weight_gradients"] == kernels.route("native", [32] * 4)  # the cpu preset: too narrow for it
     assert results["sequence"] == ["moving_shapes_a", "shapes_b", "moving_shapes_b"]
     assert len(results["heldout_reconstruction_matrix"]) == 3

@@ -109,6 +109,21 @@ def test_runs_of_another_capacity_ramp_are_another_table():
     assert "capacity ramp" not in table1_markdown(table1_rows([_results("SDA", 0)]))
 
 
+def test_runs_of_another_capacity_max_are_another_table():
+    """Same ramp, another C_max: two experiments, each table naming its C_max; a results.json that
+    does not name C_max is one of its own, and its table names none."""
+    runs = [dict(_results("SDA", 0), capacity_ramp_steps=7200, capacity_max=25.0),
+            dict(_results("SDA", 1), capacity_ramp_steps=7200, capacity_max=25.0),
+            dict(_results("SDA", 0), capacity_ramp_steps=7200, capacity_max=50.0),
+            dict(_results("SDA", 2), capacity_ramp_steps=7200)]
+    rows = table1_rows(runs)
+    assert sorted((row["capacity_max"] or 0, tuple(row["seeds"])) for row in rows) == [
+        (0, (2,)), (25.0, (0, 1)), (50.0, (0,))]
+    text = table1_markdown(rows)
+    assert "C_max 25 nats" in text and "C_max 50 nats" in text
+    assert text.count("C_max") == 2 and text.count("capacity ramp 7200") == 3
+
+
 def test_results_page_links_the_runs_and_the_readme_block_is_replaced(tmp_path):
     runs = []
     for seed in (0, 1):

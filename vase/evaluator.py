@@ -301,6 +301,7 @@ class Evaluator(Callback):
             "rules_without": cfg.inference.without,
             "rule_names": rule_names,
             "capacity_form": cfg.objective.capacity_form,
+            "capacity_max": cfg.objective.capacity_max,
             "capacity_ramp_steps": cfg.objective.capacity_ramp_steps,
             "snapshot_every": cfg.dream.snapshot_every,
             "sync_at_allocation": cfg.dream.sync_at_allocation,

@@ -42,9 +42,9 @@ def _groups(rows: list[dict]) -> list[tuple[str, str, list[dict]]]:
     from vase.grid import TABLE1_ROWS
 
     order = {name: i for i, name in enumerate(TABLE1_ROWS)}
-    def key(row):  # one table per objective, sequence, length, ramp and probe reading: each another experiment
+    def key(row):  # one table per objective, sequence, length, capacity schedule and reading: each another experiment
         return (row["mode"], row["sequence"], str(row["steps_per_env"][0]), row.get("reading", "mean"),
-                row.get("capacity_ramp_steps") or 0)
+                row.get("capacity_ramp_steps") or 0, row.get("capacity_max") or 0)
 
     keys = sorted({key(row) for row in rows})
     return [(k[0], k[1], sorted((r for r in rows if key(r) == k),
@@ -66,9 +66,11 @@ def _settings(group: list[dict]) -> str:
                     for row in group for s in row["steps_per_env"] if s})
     readings = sorted({row.get("reading", "mean") for row in group})
     ramps = sorted({row["capacity_ramp_steps"] for row in group if row.get("capacity_ramp_steps")})
+    maxima = sorted({row["capacity_max"] for row in group if row.get("capacity_max")})
     parts = ([f"preset {', '.join(presets)}"] if presets else []) + (
         [f"steps per environment {'; '.join(steps)}"] if steps else []) + (
         [f"capacity ramp {'; '.join(map(str, ramps))}"] if ramps else []) + (
+        [f"C_max {'; '.join(f'{c:g}' for c in maxima)} nats"] if maxima else []) + (
         ["probes read " + " and ".join(READINGS[r] for r in readings)])
     return ", ".join(parts)
 

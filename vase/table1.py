@@ -89,18 +89,19 @@ def row_label(result: dict) -> str:
 
 def table1_rows(results: list[dict]) -> list[dict]:
     """Table 1 from several runs: one row per (mode, ablation and rule set, sequence, preset, steps,
-    capacity ramp), the four numbers as mean and std over that group's seeds (docs/probes.md), and the
-    latent-use counts per seed. Runs of another length, ramp or network are another experiment, so they
-    never share a row (a results.json that does not name its ramp is one of its own)."""
+    capacity ramp and C_max), the four numbers as mean and std over that group's seeds
+    (docs/probes.md), and the latent-use counts per seed. Runs of another length, capacity schedule or
+    network are another experiment, so they never share a row (a results.json that does not name its
+    ramp or C_max is one of its own)."""
     from vase.metrics.continual import mean_std_over_seeds
 
     groups: dict[tuple, list[dict]] = {}
     for r in results:
         key = (r["mode"], row_label(r), ",".join(r["sequence"]), r.get("preset"), str(r.get("steps_per_env")),
-               probe_reading(r), r.get("capacity_ramp_steps"))
+               probe_reading(r), r.get("capacity_ramp_steps"), r.get("capacity_max"))
         groups.setdefault(key, []).append(r)
     rows = []
-    for (mode, ablation, sequence, _, _, reading, ramp), runs in groups.items():
+    for (mode, ablation, sequence, _, _, reading, ramp, capacity_max), runs in groups.items():
         mean, std = mean_std_over_seeds([r["probes"]["table1"] for r in runs])
         rows.append({
             "mode": mode, "ablation": ablation, "sequence": sequence,
@@ -112,6 +113,7 @@ def table1_rows(results: list[dict]) -> list[dict]:
             "preset": [r.get("preset") for r in runs],
             "reading": reading,
             "capacity_ramp_steps": ramp,
+            "capacity_max": capacity_max,
             "steps_per_env": [r.get("steps_per_env") for r in runs],
             "heldout": _heldout_over_seeds([heldout_retention(r) for r in runs]),
         })
