@@ -85,6 +85,12 @@ def run_typicality(run_dir: Path, cfg: Config, steps: list[int], batches: int = 
     return out
 
 
+def _largest(values: torch.Tensor, above: float, most: int | None = None) -> str:
+    """'z<i> <value>' for the latents whose value is above `above`, largest first, at most `most`."""
+    order = torch.argsort(values, descending=True)[:most].tolist()
+    return " ".join(f"z{i} {values[i]:.2f}" for i in order if values[i] > above)
+
+
 def typicality_text(rows: list[Typicality], lambdas: tuple[float, float]) -> str:
     """One line per step and environment: the quantiles of the batches' highest alpha, the latents
     whose mean alpha is above lambda_low, and the latents that carry the most information."""
@@ -95,12 +101,8 @@ def typicality_text(rows: list[Typicality], lambdas: tuple[float, float]) -> str
              f"  |  most information (nats, mean over the batches)"]
     for row in rows:
         q = row.top_quantiles()
-        mean = row.alpha.mean(0)
-        above = " ".join(f"z{i} {mean[i]:.2f}" for i in torch.argsort(mean, descending=True).tolist()
-                         if mean[i] > lambdas[0])
-        info = row.information.mean(0)
-        carried = " ".join(f"z{i} {info[i]:.2f}" for i in torch.argsort(info, descending=True)[:INFORMATIVE].tolist()
-                           if info[i] > INFORMATION_SHOWN)
+        above = _largest(row.alpha.mean(0), lambdas[0])
+        carried = _largest(row.information.mean(0), INFORMATION_SHOWN, INFORMATIVE)
         lines.append(f"  {row.step:>7}  {row.environment:16} {q[0]:6.2f} / {q[1]:.2f} / {q[2]:.2f}"
                      f"  (z{row.top_latent()})  {above or '-'}  |  {carried or '-'}")
     return "\n".join(lines)
