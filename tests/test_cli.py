@@ -226,6 +226,8 @@ def test_eval_atypicality_reads_every_environment_under_each_saved_encoder(sprit
         assert 0 <= q["p10"] <= q["p50"] <= q["p90"]
         # A latent's mean over 3 batches is at most the mean of their tops, which is at most p90 of 3.
         assert len(r["mean_alpha"]) == 24 and max(r["mean_alpha"]) <= q["p90"] + 1e-6
+        # The run kept its slots at every probe point: each batch has q_psi's pick among them.
+        assert len(r["picks"]) == 3 and set(r["picks"]) <= set(range(len(r["information_by_slot"])))
     text = invoke(["eval", str(run), "--atypicality", "40"])
     assert text.exit_code == 0 and "lambda_high" in text.stdout
     missing = CliRunner().invoke(main, ["eval", str(run), "--atypicality", "15"])

@@ -5,7 +5,9 @@ relies on turns atypical on the new data (paper §3.3). `vase eval RUN --atypica
 measures that premise after the fact: for each saved encoder step and each environment of the
 sequence, alpha on random held-out batches of the training batch size, as eq. 5 would see them,
 one batch at a time, and the information each latent carries on those batches (KL minus alpha,
-`vase.masking.information`). docs/method.md ("Why moving MNIST joined moving Fashion's slot",
+`vase.masking.information`). Where the run kept its slots at that step, also the slot q_psi picks
+for each batch and the information on the latents each slot leaves unmasked: what an environment
+keeps where its own slot reads it. docs/method.md ("Why moving MNIST joined moving Fashion's slot",
 "Table 1 under the paper's reading") reads it.
 """
 from __future__ import annotations
@@ -18,9 +20,10 @@ import torch
 from vase.checkpoint import load_weights
 from vase.config import Config
 from vase.data.environments import load_sequence
-from vase.evaluation import FrozenEncoder, encoders_at
+from vase.evaluation import FrozenEncoder, encoders_at, slots_at, slots_path
 from vase.masking import atypicality, information
 from vase.objective import kl_per_latent
+from vase.probing import SlotReading
 
 QUANTILES = (0.1, 0.5, 0.9)
 INFORMATIVE, INFORMATION_SHOWN = 8, 0.05  # the text shows at most 8 latents, those above 0.05 nat
@@ -34,6 +37,20 @@ class Typicality:
     environment: str
     alpha: torch.Tensor  # (batches, N): eq. 4 on each batch
     information: torch.Tensor  # (batches, N): nats each latent carries on each batch
+    picks: list[int] | None = None  # the slot q_psi picks for each batch, where the run kept its slots
+    slot_masks: torch.Tensor | None = None  # (slots, N): each slot's mask a^s at this step
+
+    def information_by_slot(self) -> list[float] | None:
+        """Nats the batches carry, on average, on the latents each slot leaves unmasked."""
+        if self.slot_masks is None:
+            return None
+        return (self.slot_masks * self.information.mean(0)).sum(1).tolist()
+
+    def picked(self) -> dict[int, int] | None:
+        """How many batches q_psi sends to each slot."""
+        if self.picks is None:
+            return None
+        return {slot: self.picks.count(slot) for slot in sorted(set(self.picks))}
 
     def top(self) -> torch.Tensor:
         """Each batch's highest alpha over the latents: what eq. 5 compares with lambda_high."""
@@ -50,21 +67,26 @@ class Typicality:
         return {"step": self.step, "environment": self.environment, "top_alpha_quantiles": dict(
             zip((f"p{round(q * 100)}" for q in QUANTILES), self.top_quantiles())),
             "top_latent": self.top_latent(), "mean_alpha": self.alpha.mean(0).tolist(),
-            "mean_information": self.information.mean(0).tolist()}
+            "mean_information": self.information.mean(0).tolist(),
+            "information_by_slot": self.information_by_slot(), "picks": self.picks}
 
 
 @torch.no_grad()
 def batch_atypicality(encode, images_of, n_images: int, batches: int, batch_size: int,
-                      generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+                      generator: torch.Generator, slots: SlotReading | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, list[int] | None]:
     """(batches, N) alpha and information of `batches` batches drawn at random (with `generator`)
-    from n_images images; `images_of(indices)` gives the images, `encode(x)` the posterior."""
-    alphas, infos = [], []
+    from n_images images, and the slot `slots` picks for each (None without slots);
+    `images_of(indices)` gives the images, `encode(x)` the posterior."""
+    alphas, infos, picks = [], [], []
     for _ in range(batches):
         post = encode(images_of(torch.randint(n_images, (batch_size,), generator=generator)))
         alpha = atypicality(post.mu, post.logvar)
         alphas.append(alpha.cpu())
         infos.append(information(kl_per_latent(post.mu, post.logvar).mean(0), alpha).cpu())
-    return torch.stack(alphas), torch.stack(infos)
+        if slots is not None:
+            picks.append(slots.slot_of(post.hidden))
+    return torch.stack(alphas), torch.stack(infos), picks if slots is not None else None
 
 
 def run_typicality(run_dir: Path, cfg: Config, steps: list[int], batches: int = 40, seed: int = 0,
@@ -78,11 +100,20 @@ def run_typicality(run_dir: Path, cfg: Config, steps: list[int], batches: int = 
     out = []
     for step in steps:
         encode.load(load_weights(kept[step]))
+        slots = _kept_slots(run_dir, cfg, step, device)
+        masks = None if slots is None else slots.masks.cpu()
         for env in envs:
-            alpha, info = batch_atypicality(encode.posterior, env.batch, len(env), batches, cfg.train.batch_size,
-                                            generator)
-            out.append(Typicality(step, env.name, alpha, info))
+            alpha, info, picks = batch_atypicality(encode.posterior, env.batch, len(env), batches,
+                                                   cfg.train.batch_size, generator, slots)
+            out.append(Typicality(step, env.name, alpha, info, picks, masks))
     return out
+
+
+def _kept_slots(run_dir: Path, cfg: Config, step: int, device) -> SlotReading | None:
+    """The slots of this step, where the run kept them (or needs none: S and A off)."""
+    if slots_path(run_dir, step).exists() or not (cfg.inference.enabled or cfg.mask.enabled):
+        return slots_at(run_dir, cfg, step, device)
+    return None
 
 
 def _largest(values: torch.Tensor, above: float, most: int | None = None) -> str:
@@ -93,7 +124,9 @@ def _largest(values: torch.Tensor, above: float, most: int | None = None) -> str
 
 def typicality_text(rows: list[Typicality], lambdas: tuple[float, float]) -> str:
     """One line per step and environment: the quantiles of the batches' highest alpha, the latents
-    whose mean alpha is above lambda_low, and the latents that carry the most information."""
+    whose mean alpha is above lambda_low, and the latents that carry the most information; where
+    the run kept its slots, a second line with q_psi's picks and the information on each slot's
+    unmasked latents."""
     n = len(rows[0].top()) if rows else 0
     lines = [f"alpha (eq. 4) of {n} held-out batches per environment; eq. 5's band is "
              f"lambda_low {lambdas[0]:g} .. lambda_high {lambdas[1]:g}",
@@ -105,4 +138,9 @@ def typicality_text(rows: list[Typicality], lambdas: tuple[float, float]) -> str
         carried = _largest(row.information.mean(0), INFORMATION_SHOWN, INFORMATIVE)
         lines.append(f"  {row.step:>7}  {row.environment:16} {q[0]:6.2f} / {q[1]:.2f} / {q[2]:.2f}"
                      f"  (z{row.top_latent()})  {above or '-'}  |  {carried or '-'}")
+        by_slot = row.information_by_slot()
+        if by_slot is not None:
+            picked = ", ".join(f"slot {slot} x{n}" for slot, n in row.picked().items())
+            nats = "  ".join(f"s{slot} {value:.1f}" for slot, value in enumerate(by_slot))
+            lines.append(f"  {'':>7}  {'':16} q_psi picks {picked}  |  nats on each slot's unmasked latents: {nats}")
     return "\n".join(lines)
