@@ -109,7 +109,7 @@ def run_typicality(run_dir: Path, cfg: Config, steps: list[int], batches: int = 
     return out
 
 
-def _kept_slots(run_dir: Path, cfg: Config, step: int, device) -> SlotReading | None:
+def _kept_slots(run_dir: Path, cfg: Config, step: int, device: torch.device | str) -> SlotReading | None:
     """The slots of this step, where the run kept them (or needs none: S and A off)."""
     if slots_path(run_dir, step).exists() or not (cfg.inference.enabled or cfg.mask.enabled):
         return slots_at(run_dir, cfg, step, device)
@@ -140,7 +140,7 @@ def typicality_text(rows: list[Typicality], lambdas: tuple[float, float]) -> str
                      f"  (z{row.top_latent()})  {above or '-'}  |  {carried or '-'}")
         by_slot = row.information_by_slot()
         if by_slot is not None:
-            picked = ", ".join(f"slot {slot} x{n}" for slot, n in row.picked().items())
+            picked = ", ".join(f"slot {slot} x{count}" for slot, count in row.picked().items())
             nats = "  ".join(f"s{slot} {value:.1f}" for slot, value in enumerate(by_slot))
             lines.append(f"  {'':>7}  {'':16} q_psi picks {picked}  |  nats on each slot's unmasked latents: {nats}")
     return "\n".join(lines)
