@@ -77,14 +77,22 @@ def slots_path(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / SLOTS_DIR / f"step-{step:08d}.pt"
 
 
-def slots_at(run_dir: Path, cfg: Config, step: int, device: torch.device | str = "cpu") -> SlotReading:
-    """The slots the run kept at this probe point. A run with S and A off has one slot and no mask,
-    so it needs none kept; any other run without them cannot be read the paper's way."""
+def kept_slots(run_dir: Path, cfg: Config, step: int, device: torch.device | str = "cpu") -> SlotReading | None:
+    """The slots the run kept at this probe point, or None where it kept none. A run with S and A
+    off has one slot and no mask, so it needs none kept."""
     path = slots_path(run_dir, step)
     if path.exists():
         return SlotReading.load(load_weights(path), cfg.model, device)
     if not cfg.inference.enabled and not cfg.mask.enabled:
         return SlotReading.single(cfg.model.latents, device)
+    return None
+
+
+def slots_at(run_dir: Path, cfg: Config, step: int, device: torch.device | str = "cpu") -> SlotReading:
+    """`kept_slots`, where a run without them cannot be read the paper's way: a clear error."""
+    slots = kept_slots(run_dir, cfg, step, device)
+    if slots is not None:
+        return slots
     raise VaseError(
         f"{run_dir} kept no slots of step {step} (checkpoints/{SLOTS_DIR}): the paper's reading (probe.reading="
         "sample) needs each probe point's masks and classifier, which runs save from this version of vase on")

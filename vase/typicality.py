@@ -20,7 +20,7 @@ import torch
 from vase.checkpoint import load_weights
 from vase.config import Config
 from vase.data.environments import load_sequence
-from vase.evaluation import FrozenEncoder, encoders_at, slots_at, slots_path
+from vase.evaluation import FrozenEncoder, encoders_at, kept_slots
 from vase.masking import atypicality, information
 from vase.objective import kl_per_latent
 from vase.probing import SlotReading
@@ -100,20 +100,13 @@ def run_typicality(run_dir: Path, cfg: Config, steps: list[int], batches: int = 
     out = []
     for step in steps:
         encode.load(load_weights(kept[step]))
-        slots = _kept_slots(run_dir, cfg, step, device)
+        slots = kept_slots(run_dir, cfg, step, device)
         masks = None if slots is None else slots.masks.cpu()
         for env in envs:
             alpha, info, picks = batch_atypicality(encode.posterior, env.batch, len(env), batches,
                                                    cfg.train.batch_size, generator, slots)
             out.append(Typicality(step, env.name, alpha, info, picks, masks))
     return out
-
-
-def _kept_slots(run_dir: Path, cfg: Config, step: int, device: torch.device | str) -> SlotReading | None:
-    """The slots of this step, where the run kept them (or needs none: S and A off)."""
-    if slots_path(run_dir, step).exists() or not (cfg.inference.enabled or cfg.mask.enabled):
-        return slots_at(run_dir, cfg, step, device)
-    return None
 
 
 def _largest(values: torch.Tensor, above: float, most: int | None = None) -> str:
