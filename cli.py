@@ -168,18 +168,25 @@ def _refuse_with_resume(ctx: click.Context) -> None:
               help="Instead: each environment's held-out error under its own slot with the newest "
                    "checkpoint's decoders, decoded from the codes of the encoders saved at these steps, "
                    "e.g. 12000,24000: how much of what a slot lost is the encoder's drift (docs/method.md).")
+@click.option("--classifier", is_flag=True,
+              help="Instead: at the newest checkpoint, q_psi's mean q(s|x) on each environment's held-out "
+                   "images and on dreams of each slot, and the slot it names for each batch (docs/method.md).")
 @click.option("--reading", type=click.Choice(PROBE_READINGS), default=None,
               help="The code the probes read: mean, mu(x) of every latent; or sample, the paper's reading, "
                    "the masked posterior under the slot q_psi picks (docs/probes.md). Default: the run's own.")
 @_device_option()
-def evaluate(run_dir, as_json, steps, batches, own_slot, reading, device):
+def evaluate(run_dir, as_json, steps, batches, own_slot, classifier, reading, device):
     """Recompute probes and metrics from a run's checkpoints and print them."""
     from vase.evaluation import evaluate_run, own_slot_errors_by_encoder, own_slot_text
     from vase.summary import summary_text
 
     try:
-        if steps is not None and own_slot is not None:
-            raise VaseError("--atypicality and --own-slot are two readings: give one at a time")
+        given = [name for name, value in (("--atypicality", steps), ("--own-slot", own_slot),
+                                          ("--classifier", classifier or None)) if value is not None]
+        if len(given) > 1:
+            raise VaseError(f"{' and '.join(given)} are separate readings: give one at a time")
+        if classifier:
+            return _slot_picks(Path(run_dir), as_json, _resolve_device(device))
         if steps is not None:
             return _typicality(Path(run_dir), steps, batches, as_json, _resolve_device(device))
         if own_slot is not None:
@@ -197,6 +204,19 @@ def _steps(option: str, text: str) -> list[int]:
     except ValueError:
         raise VaseError(f"{option} {text!r}: give steps as integers separated by commas, e.g. 11000,24000") \
             from None
+
+
+def _slot_picks(run_dir: Path, as_json: bool, device) -> None:
+    from vase.inspection import open_run
+    from vase.slot_picks import slot_picks, slot_picks_text
+
+    evaluator = open_run(run_dir, device=device)
+    if not evaluator.cfg.inference.enabled:
+        raise VaseError(f"{run_dir} was trained with S off: one slot, and no q_psi to read")
+    rows = slot_picks(evaluator)
+    learner = evaluator.learner
+    click.echo(json.dumps([row.as_dict() for row in rows], indent=2) if as_json
+               else slot_picks_text(rows, learner.step, learner.inference.current))
 
 
 def _typicality(run_dir: Path, steps: str, batches: int, as_json: bool, device) -> None:

@@ -236,6 +236,25 @@ def test_eval_atypicality_reads_every_environment_under_each_saved_encoder(sprit
 
 
 @pytest.mark.slow
+def test_eval_classifier_reads_q_psi_on_each_environment_and_on_each_slots_dreams(sprite_run):
+    run, result = sprite_run
+    assert result.exit_code == 0, result.output
+    results = json.loads((run / "results.json").read_text())
+    out = invoke(["eval", str(run), "--classifier", "--json"])
+    assert out.exit_code == 0, out.output
+    rows = json.loads(out.stdout)
+    slots = results["environments_inferred"]
+    assert [r["source"] for r in rows] == [*results["sequence"], *(f"dreams of slot {s}" for s in range(slots))]
+    for r in rows:
+        assert len(r["mean_q"]) == slots and 0 < sum(r["mean_q"]) <= 1 + 1e-3
+        assert set(map(int, r["named"])) <= set(range(slots)) and sum(r["named"].values()) >= 1
+    text = invoke(["eval", str(run), "--classifier"])
+    assert text.exit_code == 0 and "dreams of slot 0" in text.stdout and "batches named" in text.stdout
+    refused = CliRunner().invoke(main, ["eval", str(run), "--classifier", "--own-slot", "10"])
+    assert refused.exit_code != 0 and "give one at a time" in refused.output
+
+
+@pytest.mark.slow
 def test_eval_recomputes_the_factor_latents_of_a_run_that_lacks_them(sprite_run, tmp_path):
     run, result = sprite_run
     assert result.exit_code == 0, result.output

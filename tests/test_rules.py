@@ -3,6 +3,7 @@ one where it does not, and the stand-ins of S, A and D when they are off."""
 import dataclasses
 import re
 from pathlib import Path
+from types import SimpleNamespace
 from unittest.mock import patch
 
 import pytest
@@ -129,6 +130,19 @@ def mdl_with(**penalty):
     return run
 
 
+def classifier_loss(real, dreamt):
+    """q_psi's loss on `real` images of slot 0 and `dreamt` dreams of slot 1, with
+    `inference.balanced_classifier` on where the set holds the rule (no step is taken)."""
+    def run(names):
+        cfg = case_config()
+        cfg.inference.balanced_classifier = True
+        inf = with_rules(names, cfg=cfg)
+        logits = torch.tensor([[0.0, 0.0, 0.0, 0.0]] * real + [[0.0, 2.0, 0.0, 0.0]] * dreamt)
+        dreams = SimpleNamespace(env=torch.ones(dreamt, dtype=torch.long))
+        return float(inf.train_classifier(logits, 0, real, dreams, learn=False)["classifier"])
+    return run
+
+
 PAPER = RULE_SETS["paper"]
 # rule -> (a case where it changes the outcome, a case where it does not, the other rules of both runs)
 CASES = {
@@ -144,6 +158,7 @@ CASES = {
     "others_latents_only": (maskable_in_env_1((2.0, 0.0, 0.0, 0.0)), maskable_in_env_1((2.0, 2.0, 2.0, 2.0)), ()),
     "learnt_latents_only": (maskable_of_one_slot([False, True, False, False]), maskable_of_one_slot([True] * 4), ()),
     "fresh_latent_penalty": (mdl_with(fresh_atypical=torch.tensor(2.0)), mdl_with(), ()),
+    "balanced_classifier": (classifier_loss(3, 1), classifier_loss(2, 2), ()),
 }
 
 
@@ -276,6 +291,11 @@ def test_table1_names_the_rules_a_run_left_out():
     assert row_label({**today, "dream_images": "sample"}) == "SDA (sampled dreams)"
     assert row_label({**today, "dream_images": "mean"}) == "SDA"
     assert row_label({**today, "ablation": "SA", "dream_images": "sample"}) == "SA"
+    # q_psi trained with balanced classes is named where S is on; a results.json without the field
+    # predates the rule.
+    assert row_label({**today, "balanced_classifier": True}) == "SDA (balanced classifier)"
+    assert row_label({**today, "balanced_classifier": False}) == "SDA"
+    assert row_label({**today, "ablation": "DA", "balanced_classifier": True}) == "DA"
     trained = {"ablation": "SDA", "pending_batches_train": True, "sync_at_allocation": False, "rule_names": []}
     assert row_label(trained) == "SDA (pending batches trained)"
     assert row_label({"ablation": "SDA"}) == (  # a results.json without the fields

@@ -124,6 +124,11 @@ class InferenceConfig:
     # information: KL minus atypicality, an estimate of I(x; z_n) [ours].
     used_kl: float = 0.1
     classifier_lr: float = 1e-3
+    # q_psi's cross-entropy with each slot's examples weighted to one equal share [ours, the rule
+    # `balanced_classifier`]. Off: each example weighs the same, so q_psi learns the batch's label
+    # frequencies (64 real images of the current slot, 32 dreams split over the past ones) as its
+    # prior (docs/method.md, "q_psi's prior").
+    balanced_classifier: bool = False
     # A study instrument [ours]: on every judged batch, also decide it as the set would without each
     # rule that acts on the verdict alone (`vase.rules.VERDICT_RULES`), and count the batches where
     # that decision differs (results.json, "rule_activity"). A rule that never changes a verdict
