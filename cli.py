@@ -181,8 +181,8 @@ def evaluate(run_dir, as_json, steps, batches, own_slot, classifier, reading, de
     from vase.summary import summary_text
 
     try:
-        given = [name for name, value in (("--atypicality", steps), ("--own-slot", own_slot),
-                                          ("--classifier", classifier or None)) if value is not None]
+        given = [name for name, on in (("--atypicality", steps is not None), ("--own-slot", own_slot is not None),
+                                       ("--classifier", classifier)) if on]
         if len(given) > 1:
             raise VaseError(f"{' and '.join(given)} are separate readings: give one at a time")
         if classifier:

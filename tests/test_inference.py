@@ -144,8 +144,6 @@ def test_a_past_environment_left_soon_after_a_switch_keeps_what_its_batches_wrot
     assert not torch.equal(slots[0].usage, usage) and not torch.equal(slots[0].alpha, alpha)
 
 
-
-
 def test_balanced_cross_entropy_is_the_mean_over_labels_of_each_labels_mean():
     # Three images of slot 0 at q = (1/2, 1/2) and one of slot 1 at q = (1/4, 3/4): by hand,
     # per label log 2 and log 4/3, so (log 2 + log 4/3) / 2 balanced against (3 log 2 + log 4/3) / 4.
