@@ -210,9 +210,9 @@ def _slot_picks(run_dir: Path, as_json: bool, device) -> None:
     from vase.inspection import open_run
     from vase.slot_picks import slot_picks, slot_picks_text
 
-    evaluator = open_run(run_dir, device=device)
-    if not evaluator.cfg.inference.enabled:
+    if not load_run_config(run_dir, trains=False).inference.enabled:
         raise VaseError(f"{run_dir} was trained with S off: one slot, and no q_psi to read")
+    evaluator = open_run(run_dir, device=device)
     rows = slot_picks(evaluator)
     learner = evaluator.learner
     click.echo(json.dumps([row.as_dict() for row in rows], indent=2) if as_json

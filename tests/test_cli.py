@@ -15,6 +15,7 @@ from click.testing import CliRunner
 
 from cli import main
 from vase import kernels
+from vase.config import build_config
 from vase.data.environments import ENVIRONMENT_NAMES
 
 # Tiny settings for every CLI run: 20 steps per environment, probes every 10, a checkpoint every 5.
@@ -252,6 +253,14 @@ def test_eval_classifier_reads_q_psi_on_each_environment_and_on_each_slots_dream
     assert text.exit_code == 0 and "dreams of slot 0" in text.stdout and "batches named" in text.stdout
     refused = CliRunner().invoke(main, ["eval", str(run), "--classifier", "--own-slot", "10"])
     assert refused.exit_code != 0 and "give one at a time" in refused.output
+
+
+def test_eval_classifier_refuses_a_run_trained_with_s_off_from_its_config_alone(tmp_path):
+    # The config says there is no q_psi, so the refusal must come before any checkpoint is opened:
+    # this run directory has none, and opening one would fail with another message.
+    (tmp_path / "config.json").write_text(build_config("cpu", ablation="-").to_json())
+    out = CliRunner().invoke(main, ["eval", str(tmp_path), "--classifier"])
+    assert out.exit_code != 0 and "trained with S off" in out.output and "Traceback" not in out.output
 
 
 @pytest.mark.slow
