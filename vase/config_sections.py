@@ -127,7 +127,8 @@ class InferenceConfig:
     # q_psi's cross-entropy with each slot's examples weighted to one equal share [ours, the rule
     # `balanced_classifier`]. Off: each example weighs the same, so q_psi learns the batch's label
     # frequencies (64 real images of the current slot, 32 dreams split over the past ones) as its
-    # prior (docs/method.md, "q_psi's prior").
+    # prior. Off by default: balanced, q_psi split MNIST in one digit seed (docs/method.md,
+    # "q_psi's prior").
     balanced_classifier: bool = False
     # A study instrument [ours]: on every judged batch, also decide it as the set would without each
     # rule that acts on the verdict alone (`vase.rules.VERDICT_RULES`), and count the batches where

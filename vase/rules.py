@@ -219,8 +219,11 @@ class BalancedClassifier(Rule):
     of the current slot and 32 dreams split over the past ones, q_psi learns those frequencies as
     its prior; on the default sprite run it sends moving shapes A's real batches and its own
     dreams to the newest slot (q 0.80 and 0.72 against 0.16 and 0.23 for slot 0 at step 3,000),
-    so eq. 6 tests a returning environment against the current slot (docs/method.md, "q_psi's
-    prior"). Setting: `inference.balanced_classifier`."""
+    so eq. 6 tests a returning environment against the current slot; on `mnist,moving_fashion,mnist`
+    the returning MNIST trained in moving Fashion's slot. Off by default: without the frequencies
+    q_psi also named a past slot for a batch of the current environment and split MNIST (the
+    paper's sequence, seed 1; docs/method.md, "q_psi's prior"). Setting:
+    `inference.balanced_classifier`."""
 
     name = "balanced_classifier"
     settings = ("inference.balanced_classifier",)
