@@ -362,10 +362,14 @@ def grid(rows, modes, seeds, preset, sequence, steps, overrides, root, threads, 
             click.echo(f"note: {runs_per_gpu} runs will share each GPU without NVIDIA MPS, time-sliced one process "
                        "at a time; `nvidia-cuda-mps-control -d` lets their kernels run side by side (docs/devices.md)")
         previous = signal.signal(signal.SIGTERM, _interrupt)  # a scheduler's SIGTERM stops the runs as Ctrl-C does
+        # The grid stops its runs with SIGINT. A shell without job control starts `vase grid &`
+        # with SIGINT ignored, and the runs would inherit that and train on until killed.
+        previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             report = run_grid(spec, backend, echo=click.echo, progress=not no_progress)
         finally:
             signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGINT, previous_int)
     except VaseError as e:
         _fail(e)
     except KeyboardInterrupt:

@@ -411,8 +411,10 @@ def test_sigterm_stops_every_run_of_the_grid_and_the_next_call_resumes_them(tmp_
     root = tmp_path / "grid"
     args = grid_cli_args(root, sprite_data)
     args[args.index("--steps") + 1] = "400"  # long enough to be stopped mid-run
+    # Started with SIGINT ignored, as a shell without job control starts `vase grid &`: the grid
+    # stops its runs with SIGINT, so it must not pass that disposition on to them.
     grid = subprocess.Popen([sys.executable, "-m", "cli", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     checkpoints = [
         root / name / "checkpoints" / "latest.json" for name in ("SDA-disentangled-s0", "none-disentangled-s0")
     ]
