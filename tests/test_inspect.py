@@ -14,6 +14,7 @@ from PIL import Image
 from test_cli import tiny_args
 
 from cli import main
+from vase import checkpoint
 from vase.ambiguity import (
     WEIGHTS,
     context_batch,
@@ -227,6 +228,16 @@ def test_inspect_reads_an_older_kept_checkpoint(tiny_run):
     result = invoke(["inspect", tiny_run, "latent_use", "--step", 6])
     assert result.exit_code == 0, result.output
     assert result.output.strip() == str(tiny_run / "inspect" / "latent_use_step6.png")
+
+
+def test_each_stage_end_is_kept_and_inspect_reads_it(tiny_run):
+    # Stages end at steps 4 and 8; checkpoints every 2 steps leave latest 8 and previous 6.
+    assert checkpoint.kept_stage_steps(tiny_run) == [4, 8]
+    first_stage = open_run(tiny_run, step=4)
+    assert first_stage.learner.step == 4 and first_stage.learner.inference.n_envs == 1
+    result = invoke(["inspect", tiny_run, "latent_use", "--step", 4])
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == str(tiny_run / "inspect" / "latent_use_step4.png")
 
 
 def test_inspect_one_source_environment_cross_domain(tiny_run):

@@ -287,6 +287,21 @@ def test_a_save_killed_between_renames_leaves_a_verified_checkpoint(tmp_path, mo
     assert meta["step"] in (2, 3)
 
 
+def test_a_stage_end_checkpoint_stays_after_newer_saves_and_loads_by_its_step(tmp_path):
+    for step in (2, 4, 6, 8):
+        save_checkpoint(tmp_path, {"x": torch.tensor([step])}, {"step": step}, keep=step == 4)
+    assert checkpoint.kept_stage_steps(tmp_path) == [4]
+    state, meta = load_checkpoint(tmp_path)  # resume still takes the newest
+    assert meta["step"] == 8 and int(state["x"]) == 8
+    state, meta = load_checkpoint(tmp_path, 4)  # rotated out of latest/previous long ago
+    assert meta["step"] == 4 and int(state["x"]) == 4
+    with pytest.raises(CheckpointError, match="here of step 4, 6, 8"):
+        load_checkpoint(tmp_path, 5)
+    checkpoint.stage_path(tmp_path, 4).write_bytes(b"torn")
+    with pytest.raises(CheckpointError, match="step-00000004.pt is truncated or corrupted"):
+        load_checkpoint(tmp_path, 4)
+
+
 def test_a_run_killed_during_its_first_save_has_no_checkpoint(tmp_path, monkeypatch):
     """staged.pt written, staged.json not: nothing to resume from, so `--resume` starts at step 0."""
     real_write = checkpoint.write_atomic
@@ -470,6 +485,11 @@ def test_sigkill_at_any_moment_then_resume_is_bit_identical(tmp_path, sprite_dat
     assert scalar_series(killed / "tb") == scalar_series(straight / "tb")
     straight_encoders = sorted(p.name for p in (straight / "checkpoints" / "encoders").iterdir())
     assert sorted(p.name for p in (killed / "checkpoints" / "encoders").iterdir()) == straight_encoders
+    # The checkpoints kept at the stage ends are those of the straight run.
+    stages = checkpoint.kept_stage_steps(straight)
+    assert len(stages) == len(read_results(straight)["sequence"]) and checkpoint.kept_stage_steps(killed) == stages
+    for step in stages:
+        assert_same_learner(load_checkpoint(killed, step)[0]["learner"], load_checkpoint(straight, step)[0]["learner"])
 
 
 @pytest.mark.slow

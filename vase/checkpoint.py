@@ -5,6 +5,9 @@ Layout in a run directory:
     checkpoints/latest.json      its metadata: step, sha256 of the .pt, format and config versions
     checkpoints/previous.pt/json the one before, kept as a fallback
     checkpoints/staged.pt/json   a new checkpoint on its way to becoming latest (only mid-save)
+    checkpoints/stages/step-N.pt/json  the checkpoint at the end of each environment's stage, kept
+                                 for reading a run as it stood there (`vase inspect --step`,
+                                 `vase eval --classifier --step`); resume never reads them
 
 Every file is written to a temporary name, fsynced and renamed, so no file is ever half written.
 A save then renames staged -> latest (and the old latest -> previous). A kill between two of those
@@ -33,6 +36,7 @@ from vase.errors import CheckpointError
 # 2: the inference state's `last_allocation` became `settling_since` (a mask change re-settles).
 CHECKPOINT_FORMAT = 2
 CHECKPOINT_DIR = "checkpoints"
+STAGES_DIR = "stages"
 # Where a verified pair may sit after a save that was killed part-way; also the order of preference
 # between pairs of the same step.
 SLOTS = ("latest", "staged", "previous")
@@ -105,8 +109,14 @@ def _scan(directory: Path, slots=SLOTS) -> tuple[dict[str, bytes], dict[str, dic
     return blobs, metas, pairs
 
 
-def save_checkpoint(run_dir: Path, state: dict[str, Any], meta: dict[str, Any]) -> Path:
-    """Save `state`; the old latest becomes previous only after the new one is safely on disk."""
+def stage_path(run_dir: Path, step: int) -> Path:
+    """Where the checkpoint kept at the stage end of `step` lives (its .json beside it)."""
+    return checkpoint_dir(run_dir) / STAGES_DIR / f"step-{step:08d}.pt"
+
+
+def save_checkpoint(run_dir: Path, state: dict[str, Any], meta: dict[str, Any], keep: bool = False) -> Path:
+    """Save `state`; the old latest becomes previous only after the new one is safely on disk. With
+    `keep` (a stage end), a copy also stays under stages/ for good."""
     directory = checkpoint_dir(run_dir)
     buffer = io.BytesIO()
     torch.save(state, buffer)
@@ -114,6 +124,11 @@ def save_checkpoint(run_dir: Path, state: dict[str, Any], meta: dict[str, Any]) 
     meta = {**meta, "sha256": _sha256(data), "format": CHECKPOINT_FORMAT, "config_version": CONFIG_VERSION}
     try:
         directory.mkdir(parents=True, exist_ok=True)
+        if keep:  # before the promotion: a run killed in between trains to this step again and rewrites it
+            kept = stage_path(run_dir, int(meta["step"]))
+            kept.parent.mkdir(exist_ok=True)
+            write_atomic(kept, data)
+            write_atomic(kept.with_suffix(".json"), json.dumps(meta, indent=2).encode())
         write_atomic(directory / "staged.pt", data)
         write_atomic(directory / "staged.json", json.dumps(meta, indent=2).encode())
         _promote(directory)
@@ -172,8 +187,8 @@ def _one_line(error: Exception) -> str:
 def load_checkpoint(run_dir: Path, step: int | None = None) -> tuple[dict, dict]:
     """Load the newest checkpoint that verifies; say so (a warning) when that is not latest.pt.
 
-    With `step`, load the verified checkpoint of that step instead (a run keeps two: latest and
-    previous), with no warning: the older one was asked for.
+    With `step`, load the verified checkpoint of that step instead, with no warning: the older one
+    was asked for. A run keeps two, latest and previous, and one at each stage end (`stages/`).
 
     A checkpoint whose checksum fails is skipped; one that verifies but was written by an
     incompatible version, or that the safe loader refuses, stops the resume with an error instead of
@@ -189,15 +204,51 @@ def load_checkpoint(run_dir: Path, step: int | None = None) -> tuple[dict, dict]
             "checkpoint file verifies against its sha256"
         )
     if step is not None:
-        kept = sorted({int(p[0].get("step", -1)) for p in pairs})
+        kept = sorted({int(p[0].get("step", -1)) for p in pairs} | set(kept_stage_steps(run_dir)))
         pairs = [p for p in pairs if int(p[0].get("step", -1)) == step]
         if not pairs:
-            raise CheckpointError(
-                f"no checkpoint of step {step} in {directory}: a run keeps its two newest checkpoints, "
-                f"here of step {' and '.join(map(str, kept))}"
-            )
+            stage = _kept_stage(run_dir, step)
+            if stage is None:
+                raise CheckpointError(
+                    f"no checkpoint of step {step} in {directory}: a run keeps its two newest checkpoints "
+                    f"and one at each stage end, here of step {', '.join(map(str, kept))}"
+                )
+            meta, blob, path = stage
+            return _unpickle(blob, meta, path), meta
     meta, pt_slot, meta_slot = pairs[0]
     path = directory / f"{pt_slot}.pt"
+    state = _unpickle(blobs[pt_slot], meta, path)
+    if step is None and (pt_slot, meta_slot) != ("latest", "latest"):
+        if ("latest", "latest") in {(p, m) for _, p, m in pairs}:
+            problem = f"a checkpoint save was interrupted after {path} was fully written"
+        else:
+            problem = _latest_problem(directory, metas)
+        which = "the previous checkpoint" if pt_slot == "previous" else f"the newer checkpoint {path.name}"
+        warnings.warn(f"{problem}; resuming from {which} (step {meta.get('step')})", stacklevel=2)
+    return state, meta
+
+
+def kept_stage_steps(run_dir: Path) -> list[int]:
+    """The steps of the stage-end checkpoints a run kept."""
+    paths = (checkpoint_dir(run_dir) / STAGES_DIR).glob("step-*.pt")
+    return sorted(int(path.stem.split("-")[1]) for path in paths)
+
+
+def _kept_stage(run_dir: Path, step: int) -> tuple[dict, bytes, Path] | None:
+    """The stage-end checkpoint of `step` as (meta, bytes, path), if it is kept and verifies."""
+    path = stage_path(run_dir, step)
+    meta = _read_meta(path.with_suffix(".json"))
+    if meta is None or not path.is_file():
+        return None
+    blob = path.read_bytes()
+    if _sha256(blob) != meta.get("sha256"):
+        raise CheckpointError(f"{path} is truncated or corrupted (its sha256 does not match {path.stem}.json)")
+    return meta, blob, path
+
+
+def _unpickle(blob: bytes, meta: dict, path: Path) -> dict:
+    """A verified checkpoint's state, if this version of vase can read it and it holds only tensors
+    and plain containers."""
     if meta.get("format") != CHECKPOINT_FORMAT or meta.get("config_version") != CONFIG_VERSION:
         raise CheckpointError(
             f"{path} was written by an incompatible version (checkpoint format {meta.get('format')}, config "
@@ -207,20 +258,12 @@ def load_checkpoint(run_dir: Path, step: int | None = None) -> tuple[dict, dict]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's pickle-protocol notices are noise here
-            state = torch.load(io.BytesIO(blobs[pt_slot]), weights_only=True, map_location="cpu")
+            return torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")
     except Exception as e:  # the unpickler refuses anything but tensors and plain containers
         raise CheckpointError(
             f"refusing to load {path}: it holds objects other than tensors and plain containers, which "
             f"could run code ({_one_line(e)}); it was not written by vase, so do not trust this run directory"
         ) from e
-    if step is None and (pt_slot, meta_slot) != ("latest", "latest"):
-        if ("latest", "latest") in {(p, m) for _, p, m in pairs}:
-            problem = f"a checkpoint save was interrupted after {path} was fully written"
-        else:
-            problem = _latest_problem(directory, metas)
-        which = "the previous checkpoint" if pt_slot == "previous" else f"the newer checkpoint {path.name}"
-        warnings.warn(f"{problem}; resuming from {which} (step {meta.get('step')})", stacklevel=2)
-    return state, meta
 
 
 def save_weights(path: Path, state: dict[str, Any]) -> None:

@@ -176,11 +176,12 @@ class Trainer:
         self._call("on_resume", self.learner.step)
         return self.learner.step
 
-    def checkpoint(self) -> None:
+    def checkpoint(self, keep: bool = False) -> None:
+        """Save the run's state; with `keep` (a stage end) it also stays for good (`vase.checkpoint`)."""
         self._call("on_checkpoint")
         try:
             save_checkpoint(
-                self.run_dir, self.state_dict(), {"step": self.learner.step, "ablation": self.cfg.ablation()}
+                self.run_dir, self.state_dict(), {"step": self.learner.step, "ablation": self.cfg.ablation()}, keep
             )
         except CheckpointError as e:
             raise CheckpointError(f"{e} ({self._checkpoint_note()})") from None
@@ -211,7 +212,7 @@ class Trainer:
                 if boundary:
                     self._call("on_boundary", step)
                 if boundary or step.every(self.cfg.train.checkpoint_every):
-                    self.checkpoint()
+                    self.checkpoint(keep=boundary)
                 bar.update(1)
         finally:
             bar.close()
