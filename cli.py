@@ -170,12 +170,16 @@ def _refuse_with_resume(ctx: click.Context) -> None:
                    "e.g. 12000,24000: how much of what a slot lost is the encoder's drift (docs/method.md).")
 @click.option("--classifier", is_flag=True,
               help="Instead: at the newest checkpoint, q_psi's mean q(s|x) on each environment's held-out "
-                   "images and on dreams of each slot, and the slot it names for each batch (docs/method.md).")
+                   "images and on dreams of each slot, the slot it names for each batch, and eq. 6's tests of "
+                   "each batch against every slot (docs/method.md).")
+@click.option("--step", type=int, default=None,
+              help="With --classifier: read the checkpoint of this step instead, one a run keeps (its two "
+                   "newest and one at each stage end).")
 @click.option("--reading", type=click.Choice(PROBE_READINGS), default=None,
               help="The code the probes read: mean, mu(x) of every latent; or sample, the paper's reading, "
                    "the masked posterior under the slot q_psi picks (docs/probes.md). Default: the run's own.")
 @_device_option()
-def evaluate(run_dir, as_json, steps, batches, own_slot, classifier, reading, device):
+def evaluate(run_dir, as_json, steps, batches, own_slot, classifier, step, reading, device):
     """Recompute probes and metrics from a run's checkpoints and print them."""
     from vase.evaluation import evaluate_run, own_slot_errors_by_encoder, own_slot_text
     from vase.summary import summary_text
@@ -185,8 +189,10 @@ def evaluate(run_dir, as_json, steps, batches, own_slot, classifier, reading, de
                                        ("--classifier", classifier)) if on]
         if len(given) > 1:
             raise VaseError(f"{' and '.join(given)} are separate readings: give one at a time")
+        if step is not None and not classifier:
+            raise VaseError("--step goes with --classifier: the other readings take the newest checkpoint")
         if classifier:
-            return _slot_picks(Path(run_dir), as_json, _resolve_device(device))
+            return _slot_picks(Path(run_dir), step, as_json, _resolve_device(device))
         if steps is not None:
             return _typicality(Path(run_dir), steps, batches, as_json, _resolve_device(device))
         if own_slot is not None:
@@ -206,17 +212,20 @@ def _steps(option: str, text: str) -> list[int]:
             from None
 
 
-def _slot_picks(run_dir: Path, as_json: bool, device) -> None:
+def _slot_picks(run_dir: Path, step: int | None, as_json: bool, device) -> None:
     from vase.inspection import open_run
-    from vase.slot_picks import slot_picks, slot_picks_text
+    from vase.slot_picks import slot_picks, slot_picks_text, slot_tests, slot_tests_text
 
     if not load_run_config(run_dir, trains=False).inference.enabled:
         raise VaseError(f"{run_dir} was trained with S off: one slot, and no q_psi to read")
-    evaluator = open_run(run_dir, device=device)
-    rows = slot_picks(evaluator)
+    evaluator = open_run(run_dir, step, device=device)
+    picks, tests = slot_picks(evaluator), slot_tests(evaluator)
     learner = evaluator.learner
-    click.echo(json.dumps([row.as_dict() for row in rows], indent=2) if as_json
-               else slot_picks_text(rows, learner.step, learner.inference.current))
+    if as_json:
+        return click.echo(json.dumps({"step": learner.step, "current": learner.inference.current,
+                                      "picks": [row.as_dict() for row in picks],
+                                      "tests": [row.as_dict() for row in tests]}, indent=2))
+    click.echo(slot_picks_text(picks, learner.step, learner.inference.current) + "\n\n" + slot_tests_text(tests))
 
 
 def _typicality(run_dir: Path, steps: str, batches: int, as_json: bool, device) -> None:

@@ -243,16 +243,29 @@ def test_eval_classifier_reads_q_psi_on_each_environment_and_on_each_slots_dream
     results = json.loads((run / "results.json").read_text())
     out = invoke(["eval", str(run), "--classifier", "--json"])
     assert out.exit_code == 0, out.output
-    rows = json.loads(out.stdout)
-    slots = results["environments_inferred"]
+    reading = json.loads(out.stdout)
+    rows, slots = reading["picks"], results["environments_inferred"]
+    assert reading["step"] == sum(results["steps_per_env"])
     assert [r["source"] for r in rows] == [*results["sequence"], *(f"dreams of slot {s}" for s in range(slots))]
     for r in rows:
         assert len(r["mean_q"]) == slots and 0 < sum(r["mean_q"]) <= 1 + 1e-3
         assert set(map(int, r["named"])) <= set(range(slots)) and sum(r["named"].values()) >= 1
+    # Eq. 6's tests against every slot, batch for batch as q_psi's picks count them.
+    assert [t["environment"] for t in reading["tests"]] == results["sequence"]
+    for picks, tests in zip(rows, reading["tests"]):
+        assert len(tests["passed"]) == slots and sum(tests["taken"].values()) == sum(picks["named"].values())
+        assert sorted(tests["named"]) == sorted(int(s) for s, k in picks["named"].items() for _ in range(k))
     text = invoke(["eval", str(run), "--classifier"])
     assert text.exit_code == 0 and "dreams of slot 0" in text.stdout and "batches named" in text.stdout
+    assert "eq. 6 takes" in text.stdout
+    # The first stage's end is kept: read as it stood then, one slot.
+    first = invoke(["eval", str(run), "--classifier", "--step", str(results["steps_per_env"][0]), "--json"])
+    assert first.exit_code == 0, first.output
+    assert json.loads(first.stdout)["step"] == results["steps_per_env"][0]
     refused = CliRunner().invoke(main, ["eval", str(run), "--classifier", "--own-slot", "10"])
     assert refused.exit_code != 0 and "give one at a time" in refused.output
+    alone = CliRunner().invoke(main, ["eval", str(run), "--step", "10"])
+    assert alone.exit_code != 0 and "--step goes with --classifier" in alone.output
 
 
 def test_eval_classifier_refuses_a_run_trained_with_s_off_from_its_config_alone(tmp_path):

@@ -1,9 +1,12 @@
-"""Which slot q_psi names, on real data and on dreams (`vase eval RUN_DIR --classifier`).
+"""Which slot q_psi names, on real data and on dreams, and which slots eq. 6's tests would accept
+(`vase eval RUN_DIR --classifier`).
 
 Eq. 6 tests a batch only against the slot q_psi names, so a returning environment is re-identified
 only if q_psi names its slot. q_psi learns from real images of the current slot and from dreams of
 the past ones: this reading shows what it learnt, on each environment's held-out images and on
 dreams of each slot drawn from the snapshot as eq. 7 draws them (docs/method.md, "q_psi's prior").
+Beside it, eq. 6's two tests of each held-out batch against every slot, not only the one q_psi
+names: whether a wrong verdict came from q_psi's pick or from the tests themselves.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import torch
 from torch.nn import functional as F
 
 from vase.inference import most_likely_slot
+from vase.rules import MASK, RECONSTRUCTION
 
 
 @dataclass
@@ -63,4 +67,77 @@ def slot_picks_text(rows: list[SlotPicks], step: int, current: int) -> str:
     for row in rows:
         named = ", ".join(f"slot {s} x{k}" for s, k in row.named.items())
         lines.append(f"  {row.source:24}" + "".join(f"{q:8.2f}" for q in row.mean_q) + f"   {named}")
+    return "\n".join(lines)
+
+
+@dataclass
+class SlotTests:
+    """Eq. 6's tests of one environment's held-out batches against each allocated slot."""
+
+    environment: str
+    named: list[int]  # s_hat of each batch
+    passes: list[list[bool]]  # [slot][batch]: both tests passed
+    failed_reconstruction: list[int]  # per slot, batches whose error exceeds the threshold
+    failed_mask: list[int]  # per slot, batches whose mask a(x) disagrees with a^s
+    error: list[float]  # per slot, the batches' mean error (nats per image, as the step measures it)
+    threshold: list[float]  # per slot, kappa * L_s plus the error margin
+
+    def passed(self) -> list[int]:
+        return [sum(batches) for batches in self.passes]
+
+    def taken(self) -> dict[str, int]:
+        """What eq. 6 does with each batch judged alone: s_hat where s_hat passes, else a new slot
+        (before patience and settling, which look at the batches around it)."""
+        verdicts = [f"slot {s}" if self.passes[s][b] else "new" for b, s in enumerate(self.named)]
+        return {v: verdicts.count(v) for v in sorted(set(verdicts))}
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "passed": self.passed(), "taken": self.taken()}
+
+
+@torch.no_grad()
+def slot_tests(evaluator) -> list[SlotTests]:
+    """For the learner of `evaluator`: each environment's held-out images in batches of the training
+    batch size, each one encoded, read (eq. 4 and the rule set's latent use) and reconstructed as a
+    training step does, then tested against every allocated slot with the rule set's own tests
+    (`EnvironmentInference.failures`). Reads the learner's state and writes none of it (the
+    reparameterisation noise comes from its generator)."""
+    learner = evaluator.learner
+    inference, batch = learner.inference, learner.cfg.train.batch_size
+    slots = range(inference.n_envs)
+    rows = []
+    for env, x in zip(evaluator.test_envs, evaluator.held_out):
+        named, passes = [], [[] for _ in slots]
+        reasons_of = [[] for _ in slots]
+        errors = [[] for _ in slots]
+        for start in range(0, x.shape[0] - batch + 1, batch):
+            enc = learner.encode(x[start:start + batch], None)
+            named.append(inference.predict(enc.probs))
+            for s in slots:
+                error = float(learner.reconstruct(enc, s, None)[2].mean())
+                reasons, _ = inference.failures(s, error, enc.alpha, enc.usage)
+                passes[s].append(not reasons)
+                reasons_of[s].append(reasons)
+                errors[s].append(error)
+        rows.append(SlotTests(
+            env.name, named, passes,
+            [sum(RECONSTRUCTION in r for r in reasons_of[s]) for s in slots],
+            [sum(MASK in r for r in reasons_of[s]) for s in slots],
+            [round(sum(errors[s]) / len(errors[s]), 1) for s in slots],
+            [round(inference.threshold(s), 1) for s in slots]))
+    return rows
+
+
+def slot_tests_text(rows: list[SlotTests]) -> str:
+    n = len(rows[0].passes) if rows else 0
+    lines = ["eq. 6's tests of each environment's held-out batches against every slot: mean error / threshold",
+             "(nats), batches passing both tests, and failing the reconstruction (r) or the mask (m) test;",
+             "then what eq. 6 does with each batch alone (s_hat if it passes, else a new slot)",
+             f"  {'':24}" + "".join(f"{'slot ' + str(s):>26}" for s in range(n)) + "   eq. 6 takes"]
+    for row in rows:
+        passed = row.passed()
+        cells = [f"{row.error[s]:.0f}/{row.threshold[s]:.0f} {passed[s]}/{len(row.named)} "
+                 f"r{row.failed_reconstruction[s]} m{row.failed_mask[s]}" for s in range(n)]
+        taken = ", ".join(f"{v} x{k}" for v, k in row.taken().items())
+        lines.append(f"  {row.environment:24}" + "".join(f"{cell:>26}" for cell in cells) + f"   {taken}")
     return "\n".join(lines)
