@@ -97,6 +97,11 @@ def main(ctx):
 @click.option("--resume", "resume_dir", type=click.Path(exists=True, file_okay=False), default=None,
               help="Continue the run in RUN_DIR from its newest good checkpoint, with its own config "
                    "(only --data-root, --download and --no-progress may be given with it).")
+@click.option("--branch", "branch_dir", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Start a new run from RUN_DIR's checkpoint of step --at, with RUN_DIR's config and any "
+                   "--set, --sequence or --steps that leave the steps before it alone (docs/usage.md).")
+@click.option("--at", "branch_step", type=click.IntRange(min=1), default=None,
+              help="With --branch: the step of a checkpoint RUN_DIR keeps (its two newest, or a stage end).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing --run-dir.")
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.FIELD=VALUE",
               help="Override any config field, e.g. --set mask.lambda_high=2.0 (repeatable).")
@@ -104,11 +109,12 @@ def main(ctx):
 @_device_option()
 @_schedule_option()
 def train(preset, sequence, steps, ablation, entangled, seed, data_root, download, run_dir, resume_dir,
-          overwrite, overrides, no_progress, device, schedule):
+          branch_dir, branch_step, overwrite, overrides, no_progress, device, schedule):
     """Train VASE over a sequence of environments.
 
     With no options: the full VASE (SDA) on the embedded sprite sequence with the CPU preset.
     """
+    from vase.branching import plan_branch, write_branch
     from vase.checkpoint import write_atomic
     from vase.summary import summary_text
     from vase.trainer import Trainer, check_run_dir, prepare_run_dir, run_dir_for
@@ -118,14 +124,22 @@ def train(preset, sequence, steps, ablation, entangled, seed, data_root, downloa
         if resume_dir:
             _refuse_with_resume(click.get_current_context())
             cfg = load_run_config(path, data_root, download)
+        elif branch_dir:
+            _refuse_with_branch(click.get_current_context(), branch_step)
+            sets = list(overrides) + option_overrides(sequence, steps)
+            branch = plan_branch(Path(branch_dir), branch_step, sets, data_root, download)
+            cfg, path = branch.cfg, run_dir_for(branch.cfg, run_dir)
         else:
+            if branch_step is not None:
+                raise VaseError("--at goes with --branch RUN_DIR")
             sets = list(overrides) + option_overrides(sequence, steps, entangled, seed, data_root, download)
             cfg = build_config(preset, sets, ablation, schedule)
             path = run_dir_for(cfg, run_dir)
         check_run_dir(path, resume=bool(resume_dir), overwrite=overwrite)
         trainer = Trainer(cfg, path, progress=not no_progress, device=_resolve_device(device))
-        prepare_run_dir(path, cfg, resume=bool(resume_dir), overwrite=overwrite)
-        results = trainer.train(resume=bool(resume_dir))
+        fill = (lambda target: write_branch(branch, target)) if branch_dir else None
+        prepare_run_dir(path, cfg, resume=bool(resume_dir), overwrite=overwrite, fill=fill)
+        results = trainer.train(resume=bool(resume_dir or branch_dir))
         text = summary_text(results, path)
         write_atomic(path / "summary.txt", (text + "\n").encode())
     except VaseError as e:
@@ -145,15 +159,32 @@ def _interrupt(signum, frame):
 
 # Options that would be silently ignored by --resume (the run keeps its own config).
 _NOT_WITH_RESUME = ("preset", "schedule", "sequence", "steps", "ablation", "entangled", "seed", "run_dir", "overwrite",
-                    "overrides")
+                    "overrides", "branch_dir", "branch_step")
+
+
+# A branch continues another run's state: what made that state cannot be chosen again.
+_NOT_WITH_BRANCH = ("preset", "schedule", "ablation", "entangled", "seed")
+
+
+def _refuse_with_branch(ctx: click.Context, step: int | None) -> None:
+    if step is None:
+        raise VaseError("--branch RUN_DIR needs --at STEP: the step of a checkpoint RUN_DIR keeps")
+    given = [name for name in _NOT_WITH_BRANCH
+             if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
+    if given:
+        flags = ", ".join("--" + n for n in given)
+        raise VaseError(f"--branch continues RUN_DIR's state with its config; drop {flags}")
 
 
 def _refuse_with_resume(ctx: click.Context) -> None:
     given = [name for name in _NOT_WITH_RESUME
              if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
     if given:
-        flags = ", ".join("--" + ("set" if n == "overrides" else n.replace("_", "-")) for n in given)
+        flags = ", ".join("--" + _FLAG_NAMES.get(n, n.replace("_", "-")) for n in given)
         raise VaseError(f"--resume continues a run with its own config.json; drop {flags}")
+
+
+_FLAG_NAMES = {"overrides": "set", "branch_dir": "branch", "branch_step": "at"}
 
 
 @main.command(name="eval")

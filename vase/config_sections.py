@@ -6,6 +6,7 @@ gathers the sections; a setting is written ``section.field`` (``--set model.late
 """
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +48,10 @@ class DataConfig:
                 f"data.steps_per_env has {len(steps)} entries but the sequence has {len(self.sequence)} environments"
             )
         return list(steps)
+
+    def stage_ends(self) -> list[int]:
+        """The step at which each environment's stage ends."""
+        return list(itertools.accumulate(self.env_steps()))
 
 
 @dataclass

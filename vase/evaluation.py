@@ -202,7 +202,7 @@ def evaluate_run(run_dir: Path, progress: bool = False, device: torch.device | s
     if not files:
         raise VaseError(f"{run_dir} has no saved encoders (checkpoints/{ENCODER_DIR}); was it trained with probes on?")
     envs = [env.to(device) for env in load_sequence(cfg.data, "test", progress=progress)]
-    ends = list(np.cumsum(cfg.data.env_steps()))
+    ends = cfg.data.stage_ends()
     suite = ProbeSuite(envs, dataclasses.replace(cfg.probe, reading=reading))
     encode = FrozenEncoder(cfg.model, device)
     metrics = []

@@ -12,6 +12,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -93,10 +94,12 @@ def check_run_dir(path: Path, resume: bool = False, overwrite: bool = False) -> 
         raise VaseError(f"refusing to --overwrite {path}: it is not a vase run directory (it has no config.json)")
 
 
-def prepare_run_dir(path: Path, cfg: Config, resume: bool = False, overwrite: bool = False) -> None:
+def prepare_run_dir(path: Path, cfg: Config, resume: bool = False, overwrite: bool = False,
+                    fill: Callable[[Path], None] | None = None) -> None:
     """Create a new run directory holding config.json, written before the first step so that a run
     killed at any later moment can be resumed. Call it once the data has loaded, so that bad input
-    leaves no directory behind."""
+    leaves no directory behind. `fill` writes what the run starts from (a branch's checkpoint)
+    before config.json, so that a directory killed half-filled is never resumed as a run."""
     check_run_dir(path, resume, overwrite)
     path = Path(path)
     if resume:
@@ -107,6 +110,8 @@ def prepare_run_dir(path: Path, cfg: Config, resume: bool = False, overwrite: bo
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise VaseError(f"cannot create run directory {path} ({e.strerror or e})") from e
+    if fill is not None:
+        fill(path)
     write_atomic(path / "config.json", cfg.to_json().encode())
 
 

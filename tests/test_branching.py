@@ -1,0 +1,80 @@
+"""`vase train --branch RUN_DIR --at STEP`: a new run from another run's kept checkpoint."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from test_cli import invoke, sprite_data, tiny_args  # noqa: F401 (sprite_data is a fixture)
+from test_reliability import assert_same_learner, comparable, learner_state, read_results, scalar_series
+
+from cli import main
+from vase import checkpoint
+from vase.config import load_run_config
+
+STAGE = 8  # steps per environment: stages end at 8, 16 and 24
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, sprite_data):  # noqa: F811
+    run = tmp_path_factory.mktemp("branching") / "straight"
+    result = invoke(tiny_args(run, sprite_data, steps=STAGE))
+    assert result.exit_code == 0, result.output
+    return run
+
+
+def branch(source: Path, target: Path, *extra: str):
+    return CliRunner().invoke(main, ["train", "--branch", str(source), "--run-dir", str(target), "--no-progress",
+                                     *extra])
+
+
+def test_a_branch_without_overrides_is_the_source_run_from_its_step_on(straight, tmp_path):
+    result = branch(straight, tmp_path / "b", "--at", str(STAGE))
+    assert result.exit_code == 0, result.output
+    b = tmp_path / "b"
+    assert_same_learner(learner_state(b), learner_state(straight))
+    assert comparable(read_results(b)) == comparable(read_results(straight))
+    assert scalar_series(b / "tb") == scalar_series(straight / "tb")
+    assert checkpoint.kept_stage_steps(b) == checkpoint.kept_stage_steps(straight) == [STAGE, 2 * STAGE, 3 * STAGE]
+    assert json.loads((b / "branch.json").read_text()) == {"source": str(straight), "step": STAGE, "overrides": []}
+
+
+def test_a_branch_with_other_rules_keeps_the_history_before_its_step(straight, tmp_path):
+    b = tmp_path / "paper"
+    result = branch(straight, b, "--at", str(STAGE), "--set", "inference.rules=paper")
+    assert result.exit_code == 0, result.output
+    assert load_run_config(b).inference.rules == "paper" and load_run_config(straight).inference.rules != "paper"
+    before = [e for e in read_results(straight)["inference_events"] if e["step"] < STAGE]
+    assert [e for e in read_results(b)["inference_events"] if e["step"] < STAGE] == before
+    assert read_results(b)["probes"]["history"][0] == read_results(straight)["probes"]["history"][0]
+
+
+def test_a_branch_may_change_the_length_of_the_stages_after_its_step(straight, tmp_path):
+    result = branch(straight, tmp_path / "b", "--at", str(STAGE), "--steps", f"{STAGE},{STAGE},4")
+    assert result.exit_code == 0, result.output
+    assert read_results(tmp_path / "b")["steps"] == 2 * STAGE + 4
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([], "--branch RUN_DIR needs --at STEP"),
+    (["--at", "3"], "no checkpoint of step 3"),
+    (["--at", str(STAGE), "--set", "model.latents=4"], "model.latents shaped; these cannot change at a branch"),
+    (["--at", str(STAGE), "--set", "train.seed=3"], "train.seed shaped"),
+    (["--at", str(STAGE), "--seed", "3"], "drop --seed"),
+    (["--at", str(2 * STAGE), "--steps", "6"], "must keep the stages trained by step 16 as they were"),
+    (["--at", str(STAGE), "--sequence", "shapes_b,moving_shapes_a,moving_shapes_b"], "data.sequence shaped"),
+    (["--at", str(3 * STAGE)], "nothing to train after step 24"),
+])
+def test_a_branch_that_cannot_continue_the_state_is_refused_in_one_line_and_writes_nothing(
+        straight, tmp_path, extra, message):
+    result = branch(straight, tmp_path / "b", *extra)
+    assert result.exit_code != 0 and message in result.output, result.output
+    assert "Traceback" not in result.output and not (tmp_path / "b").exists()
+
+
+def test_at_without_branch_and_branch_with_resume_are_refused(straight, tmp_path):
+    alone = CliRunner().invoke(main, ["train", "--at", "8", "--run-dir", str(tmp_path / "x")])
+    assert alone.exit_code != 0 and "--at goes with --branch RUN_DIR" in alone.output
+    both = CliRunner().invoke(main, ["train", "--resume", str(straight), "--branch", str(straight), "--at", "8"])
+    assert both.exit_code != 0 and "drop --branch, --at" in both.output
