@@ -129,6 +129,8 @@ def train(preset, sequence, steps, ablation, entangled, seed, data_root, downloa
             sets = list(overrides) + option_overrides(sequence, steps)
             branch = plan_branch(Path(branch_dir), branch_step, sets, data_root, download)
             cfg, path = branch.cfg, run_dir_for(branch.cfg, run_dir)
+            if path.resolve() == Path(branch_dir).resolve():
+                raise VaseError(f"--branch writes a new run: give a --run-dir other than {branch_dir}")
         else:
             if branch_step is not None:
                 raise VaseError("--at goes with --branch RUN_DIR")

@@ -73,6 +73,13 @@ def test_a_branch_that_cannot_continue_the_state_is_refused_in_one_line_and_writ
     assert "Traceback" not in result.output and not (tmp_path / "b").exists()
 
 
+def test_a_branch_onto_its_own_source_is_refused_and_the_source_is_kept(straight):
+    before = learner_state(straight)
+    result = branch(straight, straight, "--at", str(STAGE), "--overwrite")
+    assert result.exit_code != 0 and "give a --run-dir other than" in result.output
+    assert_same_learner(learner_state(straight), before)
+
+
 def test_at_without_branch_and_branch_with_resume_are_refused(straight, tmp_path):
     alone = CliRunner().invoke(main, ["train", "--at", "8", "--run-dir", str(tmp_path / "x")])
     assert alone.exit_code != 0 and "--at goes with --branch RUN_DIR" in alone.output
