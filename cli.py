@@ -99,7 +99,7 @@ def main(ctx):
                    "(only --data-root, --download and --no-progress may be given with it).")
 @click.option("--branch", "branch_dir", type=click.Path(exists=True, file_okay=False), default=None,
               help="Start a new run from RUN_DIR's checkpoint of step --at, with RUN_DIR's config and any "
-                   "--set, --sequence or --steps that leave the steps before it alone (docs/usage.md).")
+                   "--set or --steps that leave the steps before it alone (docs/usage.md).")
 @click.option("--at", "branch_step", type=click.IntRange(min=1), default=None,
               help="With --branch: the step of a checkpoint RUN_DIR keeps (its two newest, or a stage end).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing --run-dir.")
