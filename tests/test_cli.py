@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from cli import main
@@ -43,6 +44,7 @@ RESULT_KEYS = {
     "final_masks", "heldout_reconstruction_matrix", "cross_domain_errors", "latent_use", "disentanglement", "probes",
     "weight_gradients", "device", "rules", "rules_without", "rule_names", "capacity_form", "snapshot_every",
     "sync_at_allocation", "own_slot_errors_stage_codes", "dream_images", "capacity_max", "capacity_ramp_steps",
+    "host",
 }
 
 
@@ -135,6 +137,7 @@ def test_train_prints_the_summary_and_writes_the_run(sprite_run, sprite_data):
         config["objective"]["capacity_max"], config["objective"]["capacity_ramp_steps"])
     assert results["weight_gradients"] == kernels.route("native", [32] * 4)  # the cpu preset: too narrow for it
     assert results["sequence"] == ["moving_shapes_a", "shapes_b", "moving_shapes_b"]
+    assert results["host"]["torch"] == torch.__version__ and results["host"]["threads"] >= 1
     assert len(results["heldout_reconstruction_matrix"]) == 3
     # Fig. 4B as numbers: every environment under every slot. The end column of the matrix above is
     # read under the classifier's pick, so it must be one of that environment's per-slot errors.

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from cli import main
 from vase.config import build_config
-from vase.device import DeviceError, resolve_device
+from vase.device import DeviceError, cpu_model, host, resolve_device
 from vase.learner import Learner
 
 TINY = ["model.channels=8,8,8,8", "model.hidden=32", "model.latents=6", "model.k_max=4", "dream.batch_size=8",
@@ -191,3 +191,19 @@ def test_mps_is_seen_by_its_control_pipe(tmp_path):
     assert not mps_running(env)
     (tmp_path / "control").touch()
     assert mps_running(env)
+
+
+def test_the_cpu_model_is_read_from_cpuinfo_and_falls_back_to_platform(monkeypatch):
+    info = "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Example CPU @ 2.80GHz\nflags\t: avx2\n"
+    assert cpu_model(info) == "Example CPU @ 2.80GHz"
+    monkeypatch.setattr("platform.processor", lambda: "arm")
+    assert cpu_model("processor\t: 0\nmodel name\t:\n") == "arm"
+    monkeypatch.setattr("platform.processor", lambda: "")
+    assert cpu_model("") == "unknown"
+
+
+def test_the_host_record_names_what_decides_the_cpu_kernels():
+    record = host()
+    assert record["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert record["torch"] == torch.__version__ and record["threads"] == torch.get_num_threads()
+    assert json.loads(json.dumps(record)) == record

@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import platform
+from pathlib import Path
 
 import torch
 
@@ -78,6 +80,28 @@ def describe(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)})"
     return str(device)
+
+
+def cpu_model(cpuinfo: str | None = None) -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux), else what `platform` knows, else "unknown"."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and value.strip():
+            return value.strip()
+    return platform.processor() or "unknown"
+
+
+def host() -> dict:
+    """What results.json records of the machine. On the CPU a seed reproduces bit for bit on one
+    machine only: PyTorch picks its CPU kernels by the vector instructions it finds
+    (`cpu_capability`), and other kernels round float sums otherwise (docs/devices.md)."""
+    return {"cpu": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
 PRECISIONS = ("fp32", "bf16")

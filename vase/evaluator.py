@@ -17,7 +17,7 @@ from vase import kernels, rules
 from vase.callbacks import Callback, StepEnd
 from vase.checkpoint import load_weights, save_weights
 from vase.config import Config
-from vase.device import describe
+from vase.device import describe, host
 from vase.dream_coverage import coverage
 from vase.dreaming import Snapshot
 from vase.evaluation import (
@@ -317,6 +317,7 @@ class Evaluator(Callback):
             "steps": learner.step,
             "wall_time_s": round(self.record.wall_time, 1),
             "device": describe(learner.device),
+            "host": host(),
             # The route decides the last bits of every gradient, so it is part of what reproduces a run.
             "weight_gradients": kernels.route(cfg.model.weight_grad_kernel, cfg.model.channels),
             "environments_inferred": learner.inference.n_envs,
