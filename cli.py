@@ -199,15 +199,16 @@ _FLAG_NAMES = {"overrides": "set", "branch_dir": "branch", "branch_step": "at"}
               help="With --atypicality: batches per environment and step.")
 @click.option("--own-slot", "own_slot", default=None, metavar="STEPS",
               help="Instead: each environment's held-out error under its own slot with the newest "
-                   "checkpoint's decoders, decoded from the codes of the encoders saved at these steps, "
-                   "e.g. 12000,24000: how much of what a slot lost is the encoder's drift (docs/method.md).")
+                   "checkpoint's decoders (or those of --step), decoded from the codes of the encoders saved "
+                   "at these steps, e.g. 12000,24000: how much of what a slot lost is the encoder's drift "
+                   "(docs/method.md).")
 @click.option("--classifier", is_flag=True,
               help="Instead: at the newest checkpoint, q_psi's mean q(s|x) on each environment's held-out "
                    "images and on dreams of each slot, the slot it names for each batch, and eq. 6's tests of "
                    "each batch against every slot (docs/method.md).")
 @click.option("--step", type=int, default=None,
-              help="With --classifier: read the checkpoint of this step instead, one a run keeps (its two "
-                   "newest and one at each stage end).")
+              help="With --classifier or --own-slot: read the checkpoint of this step instead, one a run "
+                   "keeps (its two newest and one at each stage end).")
 @click.option("--reading", type=click.Choice(PROBE_READINGS), default=None,
               help="The code the probes read: mean, mu(x) of every latent; or sample, the paper's reading, "
                    "the masked posterior under the slot q_psi picks (docs/probes.md). Default: the run's own.")
@@ -222,14 +223,16 @@ def evaluate(run_dir, as_json, steps, batches, own_slot, classifier, step, readi
                                        ("--classifier", classifier)) if on]
         if len(given) > 1:
             raise VaseError(f"{' and '.join(given)} are separate readings: give one at a time")
-        if step is not None and not classifier:
-            raise VaseError("--step goes with --classifier: the other readings take the newest checkpoint")
+        if step is not None and not (classifier or own_slot is not None):
+            raise VaseError("--step goes with --classifier or --own-slot: the other readings take the newest "
+                            "checkpoint")
         if classifier:
             return _slot_picks(Path(run_dir), step, as_json, _resolve_device(device))
         if steps is not None:
             return _typicality(Path(run_dir), steps, batches, as_json, _resolve_device(device))
         if own_slot is not None:
-            rows = own_slot_errors_by_encoder(Path(run_dir), _steps("--own-slot", own_slot), _resolve_device(device))
+            rows = own_slot_errors_by_encoder(Path(run_dir), _steps("--own-slot", own_slot), _resolve_device(device),
+                                              step)
             return click.echo(json.dumps(rows, indent=2) if as_json else own_slot_text(rows))
         results = evaluate_run(Path(run_dir), device=_resolve_device(device), reading=reading)
     except VaseError as e:

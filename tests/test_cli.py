@@ -268,7 +268,7 @@ def test_eval_classifier_reads_q_psi_on_each_environment_and_on_each_slots_dream
     refused = CliRunner().invoke(main, ["eval", str(run), "--classifier", "--own-slot", "10"])
     assert refused.exit_code != 0 and "give one at a time" in refused.output
     alone = CliRunner().invoke(main, ["eval", str(run), "--step", "10"])
-    assert alone.exit_code != 0 and "--step goes with --classifier" in alone.output
+    assert alone.exit_code != 0 and "--step goes with --classifier or --own-slot" in alone.output
 
 
 def test_eval_classifier_refuses_a_run_trained_with_s_off_from_its_config_alone(tmp_path):
@@ -312,6 +312,15 @@ def test_eval_own_slot_decodes_each_saved_encoders_codes_with_the_last_decoders(
     for r, own in zip(rows[3:], results["cross_domain_errors"]):
         assert r["error"] == pytest.approx(r["now"], rel=1e-5) and r["now"] == pytest.approx(own[r["slot"]], rel=1e-5)
     assert rows[0]["error"] == results["own_slot_errors_stage_codes"][0]
+    # With the decoders kept at the first stage's end and that step's encoder: only the first
+    # environment has been seen, and its error is the one recorded after its stage.
+    first = results["steps_per_env"][0]
+    then = invoke(["eval", str(run), "--own-slot", str(first), "--step", str(first), "--json"])
+    assert then.exit_code == 0, then.output
+    [row] = json.loads(then.stdout)
+    assert (row["checkpoint_step"], row["environment"], row["slot"]) == (first, stages[0]["true_env"], 0)
+    assert row["error"] == pytest.approx(row["now"], rel=1e-5)
+    assert row["error"] == pytest.approx(results["heldout_reconstruction_matrix"][0][0], rel=1e-5)
     text = invoke(["eval", str(run), "--own-slot", "10"])
     assert text.exit_code == 0 and "moving_shapes_a (slot 0)" in text.stdout
     for args, message in ((["--own-slot", "15"], "no saved encoder of step 15"),

@@ -114,16 +114,18 @@ def encoders_at(run_dir: Path, steps: list[int], every: int) -> dict[int, Path]:
     return {step: kept[step] for step in steps}
 
 
-def own_slot_errors_by_encoder(run_dir: Path, steps: list[int], device: torch.device | str = "cpu") -> list[dict]:
+def own_slot_errors_by_encoder(run_dir: Path, steps: list[int], device: torch.device | str = "cpu",
+                               checkpoint_step: int | None = None) -> list[dict]:
     """Each environment's held-out error under the slot it trained in, with the decoders and masks of
-    the run's newest checkpoint, decoded from the codes of the encoder saved at each step: how much
-    of what a slot lost is the shared encoder's drift since that step (docs/method.md, "The slot
-    or the shared encoder"). One row per step and environment the checkpoint has seen."""
+    the run's checkpoint of `checkpoint_step` (default: the newest), decoded from the codes of the
+    encoder saved at each step: how much of what a slot lost is the shared encoder's drift since
+    that step (docs/method.md, "The slot or the shared encoder"). One row per step and environment
+    the checkpoint has seen."""
     from vase.inspection import open_run
 
     cfg = load_run_config(run_dir, trains=False)
     paths = encoders_at(run_dir, steps, cfg.probe.every)
-    return own_slot_rows(open_run(run_dir, device=device), paths, device)
+    return own_slot_rows(open_run(run_dir, checkpoint_step, device=device), paths, device)
 
 
 def own_slot_rows(run, paths: dict[int, Path], device: torch.device | str = "cpu") -> list[dict]:
