@@ -138,3 +138,24 @@ def test_two_callbacks_cannot_claim_the_same_checkpoint_entry():
     trainer = SimpleNamespace(learner=SimpleNamespace(state_dict=dict), callbacks=[Recorder(), Recorder()])
     with pytest.raises(ValueError, match=r"reuses the checkpoint entries \['recorder'\]"):
         Trainer.state_dict(trainer)
+
+
+def test_a_switch_back_to_a_past_environment_is_an_inference_event_in_tensorboard():
+    # A return to a past slot is what re-identification looks like; TensorBoard lists it beside
+    # the allocations, as results.json does, and leaves the batches that change nothing out.
+    from vase.inference import Decision
+
+    texts = []
+    logger = TensorBoardLogger()
+    logger.writer = SimpleNamespace(add_text=lambda tag, text, step: texts.append((tag, step, text)))
+    trainer = SimpleNamespace(evaluator=SimpleNamespace(probed_at=lambda step: {}, covered_at=lambda step: []),
+                              cfg=SimpleNamespace(train=SimpleNamespace(image_every=10 ** 9)))
+    verdicts = ["first", "same", "pending", "new", "same", "switch", "full"]
+    for done, verdict in enumerate(verdicts, start=1):
+        decision = Decision(done - 1, 0, 0, verdict)
+        step = SimpleNamespace(out=SimpleNamespace(decision=decision), logged=False, done=done,
+                               every=lambda n: False)
+        logger.on_step(trainer, step)
+    assert [(tag, step) for tag, step, _ in texts] == [("inference/events", s) for s in (1, 4, 6, 7)]
+    assert "step 5: switch -> environment 0" in texts[2][2]
+    assert [Decision(0, 0, 0, v).is_event for v in verdicts] == [True, False, False, True, False, True, True]

@@ -115,7 +115,7 @@ class Evaluator(Callback):
         self.record.assigned.append(d.env)
         if d.verdict == "pending":
             self.record.pending += 1
-        elif d.verdict != "same":
+        elif d.is_event:
             self.record.events.append(d.as_dict())
         if step.logged:
             self.record.alpha_steps.append(step.done)

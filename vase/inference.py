@@ -47,6 +47,12 @@ class Decision:
     def allocated(self) -> bool:
         return self.verdict in ("first", "new")
 
+    @property
+    def is_event(self) -> bool:
+        """A verdict that changes the environment trained (an allocation or a switch back to a past
+        one) or refuses a slot: what results.json and TensorBoard list as inference events."""
+        return self.verdict in ("first", "switch", "new", "full")
+
 
 class EnvironmentInference:
     """S on: eq. 6 over the environments allocated so far, with the hooks of its rule set.

@@ -46,7 +46,7 @@ class TensorBoardLogger(Callback):
 
     def on_step(self, trainer, step: StepEnd) -> None:
         d = step.out.decision
-        if d.verdict in ("first", "new", "full"):
+        if d.is_event:
             self.writer.add_text("inference/events", describe_decision(d), step.done)
         if step.logged:
             self._scalars(trainer, step)
