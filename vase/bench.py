@@ -42,21 +42,14 @@ from vase.bench_memory import measure_memory
 from vase.bench_report import LOAD_NOTE, TARGETS, check_targets, format_report, summarise_preset
 from vase.bench_steps import Variant
 from vase.bench_variants import Spec, default_specs
+from vase.device import cpu_model, cpuinfo_field, read_cpuinfo
 from vase.errors import ConfigError
 
 
 def machine_info() -> dict:
-    cpu = ""
-    flags: set[str] = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and not cpu:
-                cpu = line.split(":", 1)[1].strip()
-            if line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    cpu = cpu or platform.processor() or "unknown"
+    cpuinfo = read_cpuinfo()
+    cpu = cpu_model(cpuinfo)
+    flags = set(cpuinfo_field("flags", cpuinfo).split())
     return {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "cpu_model": cpu,

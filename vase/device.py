@@ -82,18 +82,27 @@ def describe(device: torch.device) -> str:
     return str(device)
 
 
-def cpu_model(cpuinfo: str | None = None) -> str:
-    """The CPU's model name from /proc/cpuinfo (Linux), else what `platform` knows, else "unknown"."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpuinfo = ""
+def read_cpuinfo() -> str:
+    """/proc/cpuinfo's text, or "" where there is none (not Linux)."""
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
+def cpuinfo_field(name: str, cpuinfo: str) -> str:
+    """The first non-empty value of the field `name` in /proc/cpuinfo's text, or ""."""
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() == "model name" and value.strip():
+        if key.strip() == name and value.strip():
             return value.strip()
-    return platform.processor() or "unknown"
+    return ""
+
+
+def cpu_model(cpuinfo: str | None = None) -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux), else what `platform` knows, else "unknown"."""
+    text = read_cpuinfo() if cpuinfo is None else cpuinfo
+    return cpuinfo_field("model name", text) or platform.processor() or "unknown"
 
 
 def host() -> dict:
