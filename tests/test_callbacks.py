@@ -1,5 +1,6 @@
 """The loop's hook points (vase/callbacks.py): order and count of the hooks on a tiny run, callback
-state through a checkpoint and a resume, and a run without TensorBoard giving the same results."""
+state through a checkpoint and a resume, a run without TensorBoard giving the same results, and the
+progress file a run writes through them."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ import pytest
 
 from vase.callbacks import Callback, StepEnd
 from vase.config import build_config
+from vase.progress_file import PROGRESS_FILE, ProgressFile, read_progress
 from vase.tensorboard_logger import TensorBoardLogger
 from vase.trainer import Trainer, prepare_run_dir
 
@@ -159,3 +161,35 @@ def test_a_switch_back_to_a_past_environment_is_an_inference_event_in_tensorboar
     assert [(tag, step) for tag, step, _ in texts] == [("inference/events", s) for s in (1, 4, 6, 7)]
     assert "step 5: switch -> environment 0" in texts[2][2]
     assert [Decision(0, 0, 0, v).is_event for v in verdicts] == [True, False, False, True, False, True, True]
+
+
+class ProgressReader(Callback):
+    """Reads the progress file after each step's writer has run."""
+
+    def __init__(self):
+        self.seen: list[int | None] = []
+
+    def on_train_start(self, trainer, start):
+        self.seen.append(read_progress(trainer.run_dir))
+
+    def on_step(self, trainer, step: StepEnd):
+        self.seen.append(read_progress(trainer.run_dir))
+
+
+def test_the_progress_file_follows_the_loop_and_a_resume_restarts_it_from_the_checkpoint(tmp_path, sprite_root):
+    run = tmp_path / "run"
+    reader = ProgressReader()
+    with pytest.raises(KeyboardInterrupt):
+        make_trainer(run, sprite_root, [ProgressFile(every_s=0.0), reader, Recorder(stop_at=6)]).train()
+    assert reader.seen == [0, 1, 2, 3, 4, 5, 6]
+    assert read_progress(run) == 6  # written again as the loop stopped: ahead of the checkpoint of step 4
+    reader = ProgressReader()
+    make_trainer(run, sprite_root, [ProgressFile(every_s=0.0), reader], resume=True).train(resume=True)
+    assert reader.seen == [4, 5, 6, 7, 8]
+    assert json.loads((run / PROGRESS_FILE).read_text()) == {"step": 8, "total": 8}
+
+
+def test_a_default_run_writes_its_progress_file(tmp_path, sprite_root):
+    run = tmp_path / "run"
+    make_trainer(run, sprite_root).train()
+    assert json.loads((run / PROGRESS_FILE).read_text()) == {"step": 8, "total": 8}

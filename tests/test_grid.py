@@ -5,10 +5,12 @@ tiny real grids and compare every cell with the `vase train` run it stands for.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -307,6 +309,54 @@ def test_the_driver_reports_failures_writes_the_table_and_reruns_only_what_is_mi
     assert {
         row["ablation"]: row["seeds"] for row in json.loads((tmp_path / "grid" / "table1.json").read_text())["rows"]
     } == {"SDA": [0, 1], "-": [0, 1]}
+
+
+class ProgressTraining(FakeTraining):
+    """Each run writes a progress file and waits for the grid's bar to read it before it ends."""
+
+    def __init__(self, spec: GridSpec, fail: set[str], bars: list):
+        super().__init__(spec, fail)
+        self.bars = bars
+
+    def run(self, jobs, on_done):
+        runs = {r.name: r for r in self.spec.runs()}
+        for job in jobs:
+            run = runs[job.name]
+            run.run_dir.mkdir(parents=True, exist_ok=True)
+            (run.run_dir / "progress.json").write_text(json.dumps({"step": 4, "total": 10}))
+            seen = self.bars[0].n
+            deadline = time.monotonic() + 10
+            while self.bars[0].n < seen + 4 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            super().run([job], on_done)
+
+
+def test_the_grid_bar_counts_the_runs_steps_as_they_train(tmp_path, sprite_data, monkeypatch):
+    import tqdm.auto
+
+    bars = []
+
+    class Bar(tqdm.auto.tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "file": io.StringIO()})
+            self.history = [self.n]
+            bars.append(self)
+
+        def update(self, n=1):
+            super().update(n)
+            self.history.append(self.n)
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    monkeypatch.setattr(grid_module, "PROGRESS_POLL_S", 0.01)
+    spec = tiny_spec(tmp_path / "grid", sprite_data, seeds=(0, 1))  # 4 runs of 2 x 10 steps
+    run_grid(spec, ProgressTraining(spec, fail={"none-disentangled-s1"}, bars=bars), echo=lambda s: None)
+    bar = bars[0]
+    assert bar.unit == "step" and bar.total == 4 * 20
+    # Each run is read at 4 steps while it trains, then counts whole when it ends well; the failed one
+    # stays at what its file says.
+    assert 4 in bar.history and 20 + 4 in bar.history
+    assert bar.history[-1] == 3 * 20 + 4
+    assert bar.history == sorted(bar.history)
 
 
 def test_grid_refuses_bad_input_in_one_line(tmp_path):

@@ -24,7 +24,7 @@ class Spec:
     fused_adam: bool = True  # learner.FUSED_ADAM
 
 
-# The weight gradients of the release before our kernel (vase/kernels).
+# oneDNN's weight gradients: the route our kernel (vase/kernels) replaces, for before/after figures.
 ONEDNN_WGRAD = "model.weight_grad_kernel=onednn"
 
 

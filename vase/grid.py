@@ -12,6 +12,7 @@ tasks on a cluster); this module plans the runs and builds Table 1 from them (`v
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -248,6 +249,14 @@ def write_table(spec: GridSpec, runs: list[GridRun]) -> str | None:
 
 
 # -- the driver --------------------------------------------------------------------------------------
+PROGRESS_POLL_S = 2.0
+
+
+def _watch(refresh, stop: threading.Event) -> None:
+    while not stop.wait(PROGRESS_POLL_S):
+        refresh()
+
+
 @dataclass
 class GridReport:
     planned: list[tuple[GridRun, str]]  # every run and its status before this invocation
@@ -261,6 +270,7 @@ def run_grid(spec: GridSpec, backend, echo=print, progress: bool = True) -> Grid
     from tqdm.auto import tqdm
 
     from vase.grid_backends import Job
+    from vase.progress_file import GridSteps
 
     planned = plan(spec)
     todo = [(run, status) for run, status in planned if status != DONE]
@@ -276,22 +286,41 @@ def run_grid(spec: GridSpec, backend, echo=print, progress: bool = True) -> Grid
         jobs = [
             Job(run.name, train_arguments(spec, run, status), str(run.run_dir), str(run.log)) for run, status in todo
         ]
-        bar = tqdm(total=len(jobs), desc="vase grid", unit="run", disable=not progress)
+        # The bar counts the runs' steps, read from their progress files, so that a grid of a few
+        # long runs moves as they train instead of at their ends.
+        steps = GridSteps({run.name: (run.run_dir, sum(spec.config(run).data.env_steps())) for run, _ in todo})
+        bar = tqdm(total=steps.total, initial=steps.done(), desc="vase grid", unit="step", disable=not progress)
+        bar.set_postfix(runs=f"0/{len(jobs)} done")
+        lock = threading.Lock()
+
+        def refresh() -> None:
+            with lock:
+                bar.update(steps.done() - bar.n)
 
         def on_done(job, outcome) -> None:
             minutes, seconds = divmod(int(outcome.seconds), 60)
             if outcome.ok:
                 finished.append(job.name)
+                steps.end(job.name)
                 line = f"done   {job.name} in {minutes}m{seconds:02d}s on {outcome.host}"
             else:
                 why = outcome.error or f"exit code {outcome.returncode}; log {job.log}"
                 failed.append((job.name, why + ("\n" + outcome.log_tail if outcome.log_tail else "")))
                 line = f"FAILED {job.name}: {why}"
-            bar.write(line) if progress else echo(line)
-            bar.update(1)
+            with lock:
+                bar.write(line) if progress else echo(line)
+                bar.set_postfix(runs=f"{len(finished) + len(failed)}/{len(jobs)} done")
+            refresh()
 
+        stop = threading.Event()
+        watcher = threading.Thread(target=_watch, args=(refresh, stop), daemon=True)
+        if progress:
+            watcher.start()
         try:
             backend.run(jobs, on_done)
         finally:
+            stop.set()
+            if progress:
+                watcher.join()
             bar.close()
     return GridReport(planned, finished, failed, write_table(spec, [run for run, _ in planned]))

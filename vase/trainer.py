@@ -26,6 +26,7 @@ from vase.errors import CheckpointError, NumericalError, VaseError
 from vase.evaluation import FrozenEncoder
 from vase.evaluator import Evaluator
 from vase.learner import Learner
+from vase.progress_file import ProgressFile
 from vase.stream import Stream
 from vase.tensorboard_logger import TensorBoardLogger
 
@@ -119,7 +120,8 @@ class Trainer:
     """The loop over a sequence of environments and its checkpoints; all else is a `Callback`.
 
     `callbacks` are the subscribers besides the run's `Evaluator`, which always comes first and
-    whose results `train` returns (default: a `TensorBoardLogger`; `[]` logs nothing).
+    whose results `train` returns (default: a `TensorBoardLogger` and the run's progress file,
+    `vase.progress_file`; `[]` writes neither).
     """
 
     def __init__(self, cfg: Config, run_dir: Path, progress: bool = True, device: torch.device | str = "cpu",
@@ -139,7 +141,7 @@ class Trainer:
         frozen_encoder = FrozenEncoder(cfg.model, self.device)
         self.learner = Learner(cfg, self.device)
         self.evaluator = Evaluator(cfg, self.learner, self.envs, test_envs, self.stream, frozen_encoder)
-        self.callbacks = [self.evaluator, *([TensorBoardLogger()] if callbacks is None else callbacks)]
+        self.callbacks = [self.evaluator, *([TensorBoardLogger(), ProgressFile()] if callbacks is None else callbacks)]
         self.last_checkpoint: int | None = None
 
     def _call(self, hook: str, *args) -> None:
