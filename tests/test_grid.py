@@ -29,6 +29,7 @@ from vase.grid import (
     RESUME,
     TABLE1_ROWS,
     GridSpec,
+    dry_run_lines,
     parse_modes,
     parse_rows,
     parse_seeds,
@@ -377,6 +378,16 @@ def test_dry_run_lists_each_cell_and_its_command(tmp_path):
     assert len(lines) == 4 and all(line.startswith("new") for line in lines)
     assert "SD-41-entangled-s1: vase train --preset cpu --ablation=SD-[41]" in result.output
     assert "--set objective.mode=entangled" in result.output and not (tmp_path / "g").exists()
+
+
+def test_dry_run_shows_how_far_an_unfinished_run_has_come(tmp_path, sprite_data):
+    spec = tiny_spec(tmp_path / "grid", sprite_data)
+    FakeTraining(spec, fail={"none-disentangled-s0"}).run(
+        [Job(r.name, [], str(r.run_dir), str(r.log)) for r in spec.runs()], lambda job, outcome: None)
+    (spec.root / "none-disentangled-s0" / "progress.json").write_text('{"step": 12, "total": 20}')
+    lines = dry_run_lines(spec)
+    assert lines[0] == "done   SDA-disentangled-s0: kept"
+    assert lines[1].startswith("resume none-disentangled-s0 (step 12 of 20): vase train --resume ")
 
 
 # -- real tiny grids (slow) -------------------------------------------------------------------------------

@@ -214,10 +214,17 @@ def train_arguments(spec: GridSpec, run: GridRun, status: str) -> list[str]:
 
 
 def dry_run_lines(spec: GridSpec) -> list[str]:
-    """What `vase grid --dry-run` prints: each run, its status and the `vase train` command it needs."""
-    return [f"{status:6s} {run.name}: "
-            + ("kept" if status == DONE else "vase " + " ".join(train_arguments(spec, run, status)))
-            for run, status in plan(spec)]
+    """What `vase grid --dry-run` prints: each run, its status (with the steps an interrupted or
+    running one has done, from its progress file) and the `vase train` command it needs."""
+    from vase.progress_file import read_progress
+
+    lines = []
+    for run, status in plan(spec):
+        done = read_progress(run.run_dir) if status == RESUME else None
+        where = "" if done is None else f" (step {done:,} of {sum(spec.config(run).data.env_steps()):,})"
+        what = "kept" if status == DONE else "vase " + " ".join(train_arguments(spec, run, status))
+        lines.append(f"{status:6s} {run.name}{where}: {what}")
+    return lines
 
 
 def prepare_data(spec: GridSpec, progress: bool = True) -> None:
