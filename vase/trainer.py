@@ -32,7 +32,7 @@ from vase.tensorboard_logger import TensorBoardLogger
 
 
 class InterruptBetweenSteps:
-    """Ctrl-C (SIGINT) during training takes effect between two steps, not inside one.
+    """Ctrl-C (SIGINT) or SIGTERM during training takes effect between two steps, not inside one.
 
     A KeyboardInterrupt raised at an arbitrary bytecode can land inside a library's critical
     section, for example inside TensorBoard's event writer, whose close() in the loop's `finally`
@@ -60,16 +60,19 @@ class InterruptBetweenSteps:
             raise KeyboardInterrupt
 
     def install(self):
-        """Take over SIGINT; returns the function that gives the previous handler back."""
-        if threading.current_thread() is not threading.main_thread() or \
-                signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        """Take over SIGINT and SIGTERM (a scheduler's stop, e.g. Slurm's at a job's time limit);
+        returns the function that gives the previous handlers back."""
+        if threading.current_thread() is not threading.main_thread():
             return lambda: None
-        previous = signal.signal(signal.SIGINT, self._handle)
-        return lambda: signal.signal(signal.SIGINT, previous)
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        for sig, handler in previous.items():
+            if handler is not signal.SIG_IGN:
+                signal.signal(sig, self._handle)
 
-    def check(self) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
+        def restore():
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return restore
 
 
 def run_dir_for(cfg: Config, run_dir: str | None, root: str = "runs") -> Path:
@@ -204,7 +207,8 @@ class Trainer:
         restore_sigint = interrupt.install()
         try:
             for t in range(start, total):
-                interrupt.check()  # a Ctrl-C that came during the previous step stops the run here
+                if interrupt.requested:  # a Ctrl-C or SIGTERM that came during the previous step
+                    self._stop_between_steps()
                 x = self.stream.batch(t, self.learner.generator)
                 try:
                     out = self.learner.training_step(x)
@@ -228,6 +232,18 @@ class Trainer:
         results = self.evaluator.results()
         write_atomic(self.run_dir / "results.json", json.dumps(results, indent=2).encode())
         return results
+
+    def _stop_between_steps(self) -> None:
+        """Checkpoint the steps trained since the last checkpoint, then stop: an interrupted run, or
+        one a cluster's scheduler ends with SIGTERM at its time limit, resumes where it stopped
+        instead of up to `train.checkpoint_every` steps earlier. Between two steps the state is a
+        checkpoint's like any other, so the resume is as exact."""
+        if self.learner.step > (self.last_checkpoint or 0):
+            try:
+                self.checkpoint()
+            except CheckpointError as e:
+                warnings.warn(f"{e}; stopping without it")
+        raise KeyboardInterrupt
 
     def _checkpoint_note(self) -> str:
         if self.last_checkpoint is None:
