@@ -202,6 +202,9 @@ _FLAG_NAMES = {"overrides": "set", "branch_dir": "branch", "branch_step": "at"}
                    "checkpoint's decoders (or those of --step), decoded from the codes of the encoders saved "
                    "at these steps, e.g. 12000,24000: how much of what a slot lost is the encoder's drift "
                    "(docs/method.md).")
+@click.option("--by-latent", is_flag=True,
+              help="With --own-slot: split the encoder's drift over the latents: the error from the older codes "
+                   "with one latent at a time given today's code (docs/method.md).")
 @click.option("--classifier", is_flag=True,
               help="Instead: at the newest checkpoint, q_psi's mean q(s|x) on each environment's held-out "
                    "images and on dreams of each slot, the slot it names for each batch, and eq. 6's tests of "
@@ -213,7 +216,7 @@ _FLAG_NAMES = {"overrides": "set", "branch_dir": "branch", "branch_step": "at"}
               help="The code the probes read: mean, mu(x) of every latent; or sample, the paper's reading, "
                    "the masked posterior under the slot q_psi picks (docs/probes.md). Default: the run's own.")
 @_device_option()
-def evaluate(run_dir, as_json, steps, batches, own_slot, classifier, step, reading, device):
+def evaluate(run_dir, as_json, steps, batches, own_slot, by_latent, classifier, step, reading, device):
     """Recompute probes and metrics from a run's checkpoints and print them."""
     from vase.evaluation import evaluate_run, own_slot_errors_by_encoder, own_slot_text
     from vase.summary import summary_text
@@ -223,6 +226,8 @@ def evaluate(run_dir, as_json, steps, batches, own_slot, classifier, step, readi
                                        ("--classifier", classifier)) if on]
         if len(given) > 1:
             raise VaseError(f"{' and '.join(given)} are separate readings: give one at a time")
+        if by_latent and own_slot is None:
+            raise VaseError("--by-latent goes with --own-slot STEPS: it splits that reading over the latents")
         if step is not None and not (classifier or own_slot is not None):
             raise VaseError("--step goes with --classifier or --own-slot: the other readings take the newest "
                             "checkpoint")
@@ -230,6 +235,12 @@ def evaluate(run_dir, as_json, steps, batches, own_slot, classifier, step, readi
             return _slot_picks(Path(run_dir), step, as_json, _resolve_device(device))
         if steps is not None:
             return _typicality(Path(run_dir), steps, batches, as_json, _resolve_device(device))
+        if own_slot is not None and by_latent:
+            from vase.latent_drift import latent_drift_text, own_slot_drift_by_latent
+
+            rows = own_slot_drift_by_latent(Path(run_dir), _steps("--own-slot", own_slot), _resolve_device(device),
+                                            step)
+            return click.echo(json.dumps(rows, indent=2) if as_json else latent_drift_text(rows))
         if own_slot is not None:
             rows = own_slot_errors_by_encoder(Path(run_dir), _steps("--own-slot", own_slot), _resolve_device(device),
                                               step)

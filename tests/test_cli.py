@@ -331,6 +331,34 @@ def test_eval_own_slot_decodes_each_saved_encoders_codes_with_the_last_decoders(
 
 
 @pytest.mark.slow
+def test_eval_own_slot_by_latent_splits_the_encoders_drift_over_the_latents(sprite_run):
+    run, result = sprite_run
+    assert result.exit_code == 0, result.output
+    whole = json.loads(invoke(["eval", str(run), "--own-slot", "20,60", "--json"]).stdout)
+    out = invoke(["eval", str(run), "--own-slot", "20,60", "--by-latent", "--json"])
+    assert out.exit_code == 0, out.output
+    rows = json.loads(out.stdout)
+    assert [(r["step"], r["environment"], r["slot"]) for r in rows] == [
+        (r["step"], r["environment"], r["slot"]) for r in whole]
+    for r, w in zip(rows, whole):
+        # The same two readings as --own-slot, from the older codes and from today's.
+        assert r["error_then"] == pytest.approx(w["error"], rel=1e-6)
+        assert r["error_now"] == pytest.approx(w["now"], rel=1e-5)
+        assert [lat["latent"] for lat in r["latents"]] == list(range(24))
+        for lat in r["latents"]:
+            if lat["masked"]:  # the slot decodes a masked latent at the prior mean, whatever its code
+                assert lat["nats"] == 0.0
+            if r["step"] == 60:  # the last step's encoder gives today's codes: nothing moves
+                assert abs(lat["nats"]) < 1e-3 and lat["rms_shift"] < 1e-4
+    # Somewhere over the run some latent's code moved and cost something.
+    assert any(lat["nats"] > 0.1 for r in rows if r["step"] == 20 for lat in r["latents"])
+    text = invoke(["eval", str(run), "--own-slot", "20", "--by-latent"])
+    assert text.exit_code == 0 and "encoder 20, moving_shapes_a (slot 0)" in text.stdout and "+nats" in text.stdout
+    refused = CliRunner().invoke(main, ["eval", str(run), "--by-latent"])
+    assert refused.exit_code != 0 and "--by-latent goes with --own-slot" in refused.output
+
+
+@pytest.mark.slow
 def test_eval_rebuilds_the_stage_codes_reading_of_a_run_that_lacks_it(sprite_run, tmp_path):
     run, result = sprite_run
     assert result.exit_code == 0, result.output
