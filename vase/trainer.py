@@ -64,10 +64,12 @@ class InterruptBetweenSteps:
         returns the function that gives the previous handlers back."""
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
-        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-        for sig, handler in previous.items():
-            if handler is not signal.SIG_IGN:
-                signal.signal(sig, self._handle)
+        # An ignored signal stays ignored (a parent asked for that), and one whose handler was not
+        # set from Python (getsignal gives None) is left alone, since it could not be given back.
+        previous = {sig: handler for sig in (signal.SIGINT, signal.SIGTERM)
+                    if (handler := signal.getsignal(sig)) not in (signal.SIG_IGN, None)}
+        for sig in previous:
+            signal.signal(sig, self._handle)
 
         def restore():
             for sig, handler in previous.items():
