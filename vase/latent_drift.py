@@ -32,11 +32,19 @@ def latent_increments(error: Callable[[torch.Tensor], float], then: torch.Tensor
     return increments
 
 
+def correlations(then: torch.Tensor, now: torch.Tensor) -> torch.Tensor:
+    """Pearson's r between each latent's codes then and now over the images (0 where either is
+    constant): near 1 when a code was shifted or rescaled, not reordered."""
+    a, b = then - then.mean(0), now - now.mean(0)
+    return (a * b).sum(0) / (a.norm(dim=0) * b.norm(dim=0)).clamp_min(1e-12)
+
+
 def own_slot_drift_by_latent(run_dir: Path, steps: list[int], device: torch.device | str = "cpu",
                              checkpoint_step: int | None = None) -> list[dict]:
     """For each step and environment the checkpoint has seen: its held-out error under its own slot
     from the codes of the encoder saved at that step and from today's, and per latent the increment
-    of `latent_increments`, the slot's mask, the KL (nats) then and now, and how far the codes moved."""
+    of `latent_increments`, the slot's mask, the KL (nats) then and now, how far the codes moved and
+    how well the new codes still follow the old ones (`correlations`)."""
     from vase.inspection import open_run
 
     cfg = load_run_config(run_dir, trains=False)
@@ -61,8 +69,10 @@ def own_slot_drift_by_latent(run_dir: Path, steps: list[int], device: torch.devi
             kl_then = kl_per_latent(then.mu, then.logvar).mean(0).tolist()
             kl_now = kl_per_latent(now.mu, now.logvar).mean(0).tolist()
             shift = (now.mu - then.mu).pow(2).mean(0).sqrt().tolist()
+            corr = correlations(then.mu, now.mu).tolist()
             latents = [{"latent": j, "nats": increments[j], "masked": mask[j] == 0.0, "kl_then": kl_then[j],
-                        "kl_now": kl_now[j], "rms_shift": shift[j]} for j in range(len(increments))]
+                        "kl_now": kl_now[j], "rms_shift": shift[j], "correlation": corr[j]}
+                       for j in range(len(increments))]
             rows.append({"step": step, "environment": stage["true_env"], "slot": slot,
                          "error_then": error(then.mu), "error_now": error(now.mu),
                          "checkpoint_step": learner.step, "latents": latents})
@@ -77,9 +87,9 @@ def latent_drift_text(rows: list[dict], top: int = 6) -> str:
     for row in rows:
         lines.append(f"  encoder {row['step']}, {row['environment']} (slot {row['slot']}): "
                      f"{row['error_then']:.1f} -> {row['error_now']:.1f}")
-        lines.append(f"    {'latent':>13} {'+nats':>8} {'KL then':>8} {'KL now':>8} {'rms shift':>10}")
+        lines.append(f"    {'latent':>13} {'+nats':>8} {'KL then':>8} {'KL now':>8} {'rms shift':>10} {'r':>6}")
         for lat in sorted(row["latents"], key=lambda r: -r["nats"])[:top]:
             name = f"z{lat['latent']}" + (" (masked)" if lat["masked"] else "")
             lines.append(f"    {name:>13} {lat['nats']:>8.1f} {lat['kl_then']:>8.2f} {lat['kl_now']:>8.2f} "
-                         f"{lat['rms_shift']:>10.3f}")
+                         f"{lat['rms_shift']:>10.3f} {lat['correlation']:>6.3f}")
     return "\n".join(lines)
