@@ -49,6 +49,9 @@ class DataConfig:
             )
         return list(steps)
 
+    def total_steps(self) -> int:
+        return sum(self.env_steps())
+
     def stage_ends(self) -> list[int]:
         """The step at which each environment's stage ends."""
         return list(itertools.accumulate(self.env_steps()))

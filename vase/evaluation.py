@@ -121,11 +121,19 @@ def own_slot_errors_by_encoder(run_dir: Path, steps: list[int], device: torch.de
     encoder saved at each step: how much of what a slot lost is the shared encoder's drift since
     that step (docs/method.md, "The slot or the shared encoder"). One row per step and environment
     the checkpoint has seen."""
+    return own_slot_rows(*open_with_encoders(run_dir, steps, device, checkpoint_step), device)
+
+
+def open_with_encoders(run_dir: Path, steps: list[int], device: torch.device | str = "cpu",
+                       checkpoint_step: int | None = None):
+    """The run as it stood at its checkpoint of `checkpoint_step` (default: the newest;
+    `vase.inspection.open_run`) and its saved encoders of `steps` ({step: file}), for the
+    own-slot readings."""
     from vase.inspection import open_run
 
     cfg = load_run_config(run_dir, trains=False)
-    paths = encoders_at(run_dir, steps, cfg.probe.every)
-    return own_slot_rows(open_run(run_dir, checkpoint_step, device=device), paths, device)
+    paths = encoders_at(run_dir, steps, cfg.probe.every)  # before the data loads: a missing step fails at once
+    return open_run(run_dir, checkpoint_step, device=device), paths
 
 
 def own_slot_rows(run, paths: dict[int, Path], device: torch.device | str = "cpu") -> list[dict]:

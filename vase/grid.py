@@ -221,7 +221,7 @@ def dry_run_lines(spec: GridSpec) -> list[str]:
     lines = []
     for run, status in plan(spec):
         done = read_progress(run.run_dir) if status == RESUME else None
-        where = "" if done is None else f" (step {done:,} of {sum(spec.config(run).data.env_steps()):,})"
+        where = "" if done is None else f" (step {done:,} of {spec.config(run).data.total_steps():,})"
         what = "kept" if status == DONE else "vase " + " ".join(train_arguments(spec, run, status))
         lines.append(f"{status:6s} {run.name}{where}: {what}")
     return lines
@@ -295,7 +295,7 @@ def run_grid(spec: GridSpec, backend, echo=print, progress: bool = True) -> Grid
         ]
         # The bar counts the runs' steps, read from their progress files, so that a grid of a few
         # long runs moves as they train instead of at their ends.
-        steps = GridSteps({run.name: (run.run_dir, sum(spec.config(run).data.env_steps())) for run, _ in todo})
+        steps = GridSteps({run.name: (run.run_dir, spec.config(run).data.total_steps()) for run, _ in todo})
         bar = tqdm(total=steps.total, initial=steps.done(), desc="vase grid", unit="step", disable=not progress)
         bar.set_postfix(runs=f"0/{len(jobs)} done")
         lock = threading.Lock()
@@ -320,14 +320,14 @@ def run_grid(spec: GridSpec, backend, echo=print, progress: bool = True) -> Grid
             refresh()
 
         stop = threading.Event()
-        watcher = threading.Thread(target=_watch, args=(refresh, stop), daemon=True)
-        if progress:
+        watcher = threading.Thread(target=_watch, args=(refresh, stop), daemon=True) if progress else None
+        if watcher:
             watcher.start()
         try:
             backend.run(jobs, on_done)
         finally:
             stop.set()
-            if progress:
+            if watcher:
                 watcher.join()
             bar.close()
     return GridReport(planned, finished, failed, write_table(spec, [run for run, _ in planned]))

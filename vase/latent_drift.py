@@ -16,8 +16,7 @@ from typing import Callable
 import torch
 
 from vase.checkpoint import load_weights
-from vase.config import load_run_config
-from vase.evaluation import FrozenEncoder, encoders_at
+from vase.evaluation import FrozenEncoder, open_with_encoders
 from vase.objective import kl_per_latent
 
 
@@ -45,21 +44,19 @@ def own_slot_drift_by_latent(run_dir: Path, steps: list[int], device: torch.devi
     from the codes of the encoder saved at that step and from today's, and per latent the increment
     of `latent_increments`, the slot's mask, the KL (nats) then and now, how far the codes moved and
     how well the new codes still follow the old ones (`correlations`)."""
-    from vase.inspection import open_run
-
-    cfg = load_run_config(run_dir, trains=False)
-    paths = encoders_at(run_dir, steps, cfg.probe.every)
-    run = open_run(run_dir, checkpoint_step, device=device)
+    run, paths = open_with_encoders(run_dir, steps, device, checkpoint_step)
     learner = run.learner
     encode = FrozenEncoder(run.cfg.model, device)
+    stages = []  # per environment: its slot, held-out images and today's codes, the same for every step
+    for stage, x in zip(run.inferred_environments(), run.held_out):
+        with torch.no_grad():
+            stages.append((stage, x, learner.model.encoder(x)))
     rows = []
     for step, path in paths.items():
         encode.load(load_weights(path))
-        for stage, x in zip(run.inferred_environments(), run.held_out):
+        for stage, x, now in stages:
             slot = stage["inferred_env"]
             then = encode.posterior(x)
-            with torch.no_grad():
-                now = learner.model.encoder(x)
 
             def error(codes: torch.Tensor) -> float:
                 return learner.reconstruction_error(x, slot, codes)
