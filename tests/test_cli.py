@@ -61,6 +61,18 @@ def invoke(args: list[str]):
     return CliRunner().invoke(main, args, catch_exceptions=False)
 
 
+def fails_in_one_line(result, *phrases: str) -> str:
+    """Assert a clean CLI failure: non-zero exit, no traceback, an `Error:` line naming the problem."""
+    assert result.exit_code != 0, result.output
+    assert "Traceback" not in result.output
+    assert isinstance(result.exception, SystemExit), repr(result.exception)
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1, result.output
+    for phrase in phrases:
+        assert phrase in errors[0], (phrase, errors[0])
+    return errors[0]
+
+
 def scalar_and_image_tags(tb_dir: Path) -> tuple[set[str], set[str]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -211,9 +223,7 @@ def test_eval_reads_a_run_the_papers_way_as_the_run_itself_would_have(sprite_run
     old = tmp_path / "old-run"  # as written before runs kept their slots
     shutil.copytree(run, old)
     shutil.rmtree(old / "checkpoints" / "slots")
-    refused = CliRunner().invoke(main, ["eval", str(old), "--reading", "sample"])
-    assert refused.exit_code != 0 and "kept no slots of step 10" in refused.output
-    assert "Traceback" not in refused.output
+    fails_in_one_line(CliRunner().invoke(main, ["eval", str(old), "--reading", "sample"]), "kept no slots of step 10")
 
 
 @pytest.mark.slow
@@ -235,8 +245,7 @@ def test_eval_atypicality_reads_every_environment_under_each_saved_encoder(sprit
     text = invoke(["eval", str(run), "--atypicality", "40"])
     assert text.exit_code == 0 and "lambda_high" in text.stdout
     missing = CliRunner().invoke(main, ["eval", str(run), "--atypicality", "15"])
-    assert missing.exit_code != 0 and "no saved encoder of step 15" in missing.output
-    assert "Traceback" not in missing.output
+    fails_in_one_line(missing, "no saved encoder of step 15")
 
 
 @pytest.mark.slow
@@ -275,8 +284,7 @@ def test_eval_classifier_refuses_a_run_trained_with_s_off_from_its_config_alone(
     # The config says there is no q_psi, so the refusal must come before any checkpoint is opened:
     # this run directory has none, and opening one would fail with another message.
     (tmp_path / "config.json").write_text(build_config("cpu", ablation="-").to_json())
-    out = CliRunner().invoke(main, ["eval", str(tmp_path), "--classifier"])
-    assert out.exit_code != 0 and "trained with S off" in out.output and "Traceback" not in out.output
+    fails_in_one_line(CliRunner().invoke(main, ["eval", str(tmp_path), "--classifier"]), "trained with S off")
 
 
 @pytest.mark.slow
@@ -326,8 +334,7 @@ def test_eval_own_slot_decodes_each_saved_encoders_codes_with_the_last_decoders(
     for args, message in ((["--own-slot", "15"], "no saved encoder of step 15"),
                           (["--own-slot", "ten"], "give steps as integers"),
                           (["--own-slot", "10", "--atypicality", "10"], "give one at a time")):
-        refused = CliRunner().invoke(main, ["eval", str(run), *args])
-        assert refused.exit_code != 0 and message in refused.output and "Traceback" not in refused.output
+        fails_in_one_line(CliRunner().invoke(main, ["eval", str(run), *args]), message)
 
 
 @pytest.mark.slow

@@ -4,7 +4,9 @@ import json
 import pytest
 
 from vase.config import Config, build_config, load_run_config, option_overrides
+from vase.config_checks import setting
 from vase.config_migrations import MIGRATIONS, migrate
+from vase.config_sections import CHOICES
 from vase.errors import ConfigError
 
 LISTS = ("data.sequence", "data.steps_per_env", "model.channels")
@@ -188,3 +190,13 @@ def test_a_run_made_with_a_deleted_rule_loads_without_its_settings(tmp_path):
                                      "own_capacity_ramp"]
     (tmp_path / "config.json").write_text(json.dumps(saved))
     assert load_run_config(tmp_path).inference.without == ["settling"]
+
+
+@pytest.mark.parametrize("key", sorted(CHOICES))
+def test_a_setting_of_named_choices_takes_those_names_and_refuses_others(key):
+    for name in CHOICES[key]:
+        assert setting(build_config("cpu", [f"{key}={name}"]), key) == name
+    names = ", ".join(repr(name) for name in CHOICES[key])
+    with pytest.raises(ConfigError) as refused:
+        build_config("cpu", [f"{key}=nonesuch"])
+    assert f"{key} must be one of {names}, got 'nonesuch'" in str(refused.value)

@@ -75,18 +75,6 @@ def test_sampled_dreams_are_bernoulli_draws_of_the_mean_dreams():
     assert torch.allclose(drawn.posterior.mu, snap.model.encoder(drawn.x).mu)
 
 
-def test_the_dream_images_setting_is_checked():
-    import pytest
-
-    from vase.config import build_config
-    from vase.errors import ConfigError
-
-    assert build_config("cpu").dream.images == "mean"
-    assert build_config("cpu", ["dream.images=sample"]).dream.images == "sample"
-    with pytest.raises(ConfigError, match="dream.images must be 'mean' or 'sample'"):
-        build_config("cpu", ["dream.images=median"])
-
-
 def test_dreaming_draws_the_images_its_setting_names():
     from vase.config import DreamConfig
     from vase.dreaming import Dreaming

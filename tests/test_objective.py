@@ -183,13 +183,6 @@ def test_the_squared_capacity_term_pulls_kl_towards_c_from_both_sides_in_proport
     assert grads == pytest.approx([-100.0, -20.0, 0.0, 40.0])
 
 
-def test_an_unknown_capacity_form_is_refused():
-    from vase.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="objective.capacity_form must be 'squared' or 'absolute'"):
-        build_config("cpu", ["objective.capacity_form=cubic"])
-
-
 def test_the_long_schedule_sets_the_lengths_together_and_overrides_win():
     from vase.config import schedule_settings
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from test_cli import invoke, tiny_args
+from test_cli import fails_in_one_line, invoke, tiny_args
 from test_learner import same_state
 
 from cli import main
@@ -46,18 +46,6 @@ def finished_run(tmp_path_factory, sprite_data) -> Path:
 def run_copy(finished_run, tmp_path) -> Path:
     """A private copy of the finished run that a test may damage."""
     return Path(shutil.copytree(finished_run, tmp_path / "run"))
-
-
-def fails_in_one_line(result, *phrases: str) -> str:
-    """Assert a clean CLI failure: non-zero exit, no traceback, an `Error:` line naming the problem."""
-    assert result.exit_code != 0, result.output
-    assert "Traceback" not in result.output
-    assert isinstance(result.exception, SystemExit), repr(result.exception)
-    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
-    assert len(errors) == 1, result.output
-    for phrase in phrases:
-        assert phrase in errors[0], (phrase, errors[0])
-    return errors[0]
 
 
 def resume(run: Path):

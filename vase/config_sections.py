@@ -221,3 +221,14 @@ class ProbeConfig:
     # over each probe interval (vase.dream_coverage, docs/method.md). Training is unchanged.
     dream_coverage: bool = True
 
+
+# The settings that name one of a few choices, and those choices (checked by vase.config_checks).
+CHOICES = {
+    "objective.mode": ("disentangled", "entangled"),
+    "objective.capacity_form": ("squared", "absolute"),
+    "inference.rules": RULE_SETS,
+    "dream.images": ("mean", "sample"),
+    "probe.reading": PROBE_READINGS,
+    "train.precision": ("fp32", "bf16"),
+    "model.weight_grad_kernel": ("native", "onednn"),
+}

@@ -113,9 +113,6 @@ def host() -> dict:
             "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
-PRECISIONS = ("fp32", "bf16")
-
-
 def precision_context(device: torch.device, precision: str):
     """train.precision: a factory of the context the forward passes run in.
 

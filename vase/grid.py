@@ -18,12 +18,13 @@ from pathlib import Path
 
 from vase.checkpoint import write_atomic
 from vase.config import CONFIG_VERSION, Config, build_config, load_run_config, option_overrides
+from vase.config_sections import CHOICES
 from vase.config_values import comma_list
 from vase.errors import ConfigError, VaseError
 
 # The rows of the paper's Table 1, in its order.
 TABLE1_ROWS = ("-", "S", "D", "A", "SA", "DA", "SD", "SDA", "SD-[41]")
-MODES = ("disentangled", "entangled")
+MODES = CHOICES["objective.mode"]
 # The sequence of the paper's Table 1 (§4): moving Fashion -> MNIST -> moving MNIST.
 PAPER_SEQUENCE = "moving_fashion,mnist,moving_mnist"
 # Settings that say where this machine keeps things, not what is trained: a grid may be resumed
