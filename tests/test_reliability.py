@@ -552,6 +552,48 @@ def test_a_run_stopped_between_checkpoints_keeps_its_steps_and_resumes_exactly(t
     assert comparable(read_results(run)) == comparable(read_results(tmp_path / "straight"))
 
 
+def test_a_run_checkpoints_by_the_clock_too_and_that_changes_nothing_it_trains(tmp_path, sprite_data, monkeypatch):
+    """train.checkpoint_minutes: a checkpoint once that much wall clock has passed since the last one,
+    counted from any checkpoint; the run trains as one that checkpoints only at its stage ends, and a
+    crash loses only the steps since the clock's last checkpoint."""
+    from vase import trainer
+    from vase.learner import Learner
+    from vase.trainer import Trainer
+
+    def args(run: Path, minutes: float) -> list[str]:
+        settings = {"train__checkpoint_every": 1000, "train__checkpoint_minutes": minutes}
+        return tiny_args(run, sprite_data, steps=10, **settings) + ["--sequence", "moving_shapes_a,shapes_b"]
+
+    assert CliRunner().invoke(main, args(tmp_path / "straight", 0)).exit_code == 0
+    straight = comparable(read_results(tmp_path / "straight"))
+    clock, saved, crash_at = [0.0], [], [None]
+    real_step, real_checkpoint = Learner.training_step, Trainer.checkpoint
+
+    def one_minute_a_step(self, x):
+        if self.step == crash_at[0]:
+            raise RuntimeError("the machine went away")
+        clock[0] += 60.0
+        return real_step(self, x)
+
+    def recorded(self, keep=False):
+        saved.append(self.learner.step)
+        return real_checkpoint(self, keep)
+
+    monkeypatch.setattr(trainer, "now", lambda: clock[0])
+    monkeypatch.setattr(Learner, "training_step", one_minute_a_step)
+    monkeypatch.setattr(Trainer, "checkpoint", recorded)
+    assert CliRunner().invoke(main, args(tmp_path / "clocked", 3)).exit_code == 0
+    # Every 3 minutes, and the stage ends at 10 and 20; the end of stage 1 restarts the count.
+    assert saved == [3, 6, 9, 10, 13, 16, 19, 20]
+    assert comparable(read_results(tmp_path / "clocked")) == straight
+    crash_at[0], run = 7, tmp_path / "crashed"
+    assert CliRunner().invoke(main, args(run, 3)).exit_code != 0
+    assert json.loads((run / "checkpoints" / "latest.json").read_text())["step"] == 6
+    crash_at[0] = None
+    assert CliRunner().invoke(main, ["train", "--resume", str(run)]).exit_code == 0
+    assert comparable(read_results(run)) == straight
+
+
 def test_a_second_ctrl_c_interrupts_at_once_unless_it_is_the_grids_echo_of_the_first(monkeypatch):
     from vase import trainer
     from vase.trainer import InterruptBetweenSteps

@@ -53,6 +53,8 @@ def problems(cfg: Config) -> list[str]:
         errs.append("inference.patience must be at least 1")
     if cfg.dream.snapshot_every < 1:
         errs.append("dream.snapshot_every must be at least 1")
+    if cfg.train.checkpoint_minutes < 0:
+        errs.append("train.checkpoint_minutes must be >= 0 (0: checkpoint by steps only)")
     for name in ("checkpoint_every", "log_every", "image_every"):
         if getattr(cfg.train, name) < 1:
             errs.append(f"train.{name} must be at least 1")

@@ -198,6 +198,10 @@ class TrainConfig:
     # No effect elsewhere.
     cuda_graphs: bool = True
     checkpoint_every: int = 1000
+    # Also checkpoint once this many minutes have passed since the last checkpoint, so that a run
+    # killed without warning (SIGKILL: an out-of-memory kill, a lost node) loses at most that much
+    # work; 0: by steps only. A checkpoint changes nothing that is trained (docs/reliability.md).
+    checkpoint_minutes: float = 10.0
     log_every: int = 50
     image_every: int = 500
     progress: bool = True

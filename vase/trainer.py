@@ -30,6 +30,9 @@ from vase.progress_file import ProgressFile
 from vase.stream import Stream
 from vase.tensorboard_logger import TensorBoardLogger
 
+# The clock of train.checkpoint_minutes; a module name, so that tests can drive it.
+now = time.monotonic
+
 
 class InterruptBetweenSteps:
     """Ctrl-C (SIGINT) or SIGTERM during training takes effect between two steps, not inside one.
@@ -148,6 +151,7 @@ class Trainer:
         self.evaluator = Evaluator(cfg, self.learner, self.envs, test_envs, self.stream, frozen_encoder)
         self.callbacks = [self.evaluator, *([TensorBoardLogger(), ProgressFile()] if callbacks is None else callbacks)]
         self.last_checkpoint: int | None = None
+        self.checkpointed_at = now()
 
     def _call(self, hook: str, *args) -> None:
         for callback in self.callbacks:
@@ -198,10 +202,18 @@ class Trainer:
         except CheckpointError as e:
             raise CheckpointError(f"{e} ({self._checkpoint_note()})") from None
         self.last_checkpoint = self.learner.step
+        self.checkpointed_at = now()
+
+    def _checkpoint_due(self) -> bool:
+        """train.checkpoint_minutes of wall clock have passed since the last checkpoint (or the start):
+        a run killed without a chance to checkpoint (SIGKILL, a lost node) loses at most that much."""
+        minutes = self.cfg.train.checkpoint_minutes
+        return minutes > 0 and now() - self.checkpointed_at >= 60 * minutes
 
     # -- the loop ----------------------------------------------------------------------------------------
     def train(self, resume: bool = False) -> dict:
         start = self.resume() if resume else 0
+        self.checkpointed_at = now()
         self._call("on_train_start", start)
         total = self.stream.total_steps
         bar = tqdm(total=total, initial=start, disable=not self.progress, desc="vase train", unit="step")
@@ -224,7 +236,7 @@ class Trainer:
                     bar.set_postfix(env=f"{step.true_env}->{out.decision.env}", loss=f"{out.losses['total']:.1f}")
                 if boundary:
                     self._call("on_boundary", step)
-                if boundary or step.every(self.cfg.train.checkpoint_every):
+                if boundary or step.every(self.cfg.train.checkpoint_every) or self._checkpoint_due():
                     self.checkpoint(keep=boundary)
                 bar.update(1)
         finally:
