@@ -47,14 +47,19 @@ def own_slot_drift_by_latent(run_dir: Path, steps: list[int], device: torch.devi
     run, paths = open_with_encoders(run_dir, steps, device, checkpoint_step)
     learner = run.learner
     encode = FrozenEncoder(run.cfg.model, device)
-    stages = []  # per environment: its slot, held-out images and today's codes, the same for every step
+    # What does not depend on the step: per environment its slot, held-out images, today's codes,
+    # their KL and error, and the slot's mask.
+    stages = []
     for stage, x in zip(run.inferred_environments(), run.held_out):
+        slot = stage["inferred_env"]
         with torch.no_grad():
-            stages.append((stage, x, learner.model.encoder(x)))
+            now = learner.model.encoder(x)
+        stages.append((stage, x, now, kl_per_latent(now.mu, now.logvar).mean(0).tolist(),
+                       learner.reconstruction_error(x, slot, now.mu), learner.mask(slot).flatten().tolist()))
     rows = []
     for step, path in paths.items():
         encode.load(load_weights(path))
-        for stage, x, now in stages:
+        for stage, x, now, kl_now, error_now, mask in stages:
             slot = stage["inferred_env"]
             then = encode.posterior(x)
 
@@ -62,16 +67,14 @@ def own_slot_drift_by_latent(run_dir: Path, steps: list[int], device: torch.devi
                 return learner.reconstruction_error(x, slot, codes)
 
             increments = latent_increments(error, then.mu, now.mu)
-            mask = learner.mask(slot).flatten().tolist()
             kl_then = kl_per_latent(then.mu, then.logvar).mean(0).tolist()
-            kl_now = kl_per_latent(now.mu, now.logvar).mean(0).tolist()
             shift = (now.mu - then.mu).pow(2).mean(0).sqrt().tolist()
             corr = correlations(then.mu, now.mu).tolist()
             latents = [{"latent": j, "nats": increments[j], "masked": mask[j] == 0.0, "kl_then": kl_then[j],
                         "kl_now": kl_now[j], "rms_shift": shift[j], "correlation": corr[j]}
                        for j in range(len(increments))]
             rows.append({"step": step, "environment": stage["true_env"], "slot": slot,
-                         "error_then": error(then.mu), "error_now": error(now.mu),
+                         "error_then": error(then.mu), "error_now": error_now,
                          "checkpoint_step": learner.step, "latents": latents})
     return rows
 
