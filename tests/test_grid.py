@@ -530,14 +530,15 @@ def test_stopping_runs_interrupts_them_all_at_once_and_kills_the_deaf_after_one_
         return real_wait(self, timeout)
 
     monkeypatch.setattr(subprocess.Popen, "wait", recording_wait)
-    stop_children(procs, grace_s=1.0)
+    # A grace long enough for the obeying run to exit on a loaded machine.
+    stop_children(procs, grace_s=3.0)
     for proc in procs:
         proc.stdout.close()
     # Killed, killed, and ended by its SIGINT (Python exits through the signal after KeyboardInterrupt).
     assert [proc.returncode for proc in procs] == [-signal.SIGKILL, -signal.SIGKILL, -signal.SIGINT]
-    # One grace period in all: the second deaf run is not given a second full second of its own.
+    # One grace period in all: the second deaf run is not given a second grace of its own.
     budgets = [w for w in waits if w is not None]
-    assert budgets[0] <= 1.0 and budgets[1] <= 0.05 and budgets[2] <= 0.05
+    assert budgets[0] <= 3.0 and budgets[1] <= 0.05 and budgets[2] <= 0.05
 
 
 # A stand-in run that records the GPU it was given and how many runs held that GPU at once.
