@@ -200,3 +200,10 @@ def test_a_setting_of_named_choices_takes_those_names_and_refuses_others(key):
     with pytest.raises(ConfigError) as refused:
         build_config("cpu", [f"{key}=nonesuch"])
     assert f"{key} must be one of {names}, got 'nonesuch'" in str(refused.value)
+
+
+def test_q_psi_on_dreams_is_refused_without_dreams_to_learn_the_past_slots_from():
+    with pytest.raises(ConfigError, match="inference.classifier_on_dreams needs dreaming"):
+        build_config("cpu", ["inference.classifier_on_dreams=true", "dream.enabled=false"])
+    build_config("cpu", ["inference.classifier_on_dreams=true", "dream.enabled=false", "inference.enabled=false"])
+    build_config("cpu", ["inference.classifier_on_dreams=true"])
