@@ -79,6 +79,7 @@ def test_a_run_made_before_sync_at_allocation_existed_resumes_synced_at_its_allo
     ("inference.probation_relies_on_past_usage", False, True),
     ("train.reset_optimizer_at_allocation", False, True),
     ("train.max_grad_norm", 0.0, 10000.0),
+    ("inference.classifier_on_dreams", False, True),
 ])
 def test_a_run_made_with_a_removed_setting_resumes_only_where_it_changed_nothing(tmp_path, path, inert, other):
     from vase.errors import ConfigError
@@ -200,10 +201,3 @@ def test_a_setting_of_named_choices_takes_those_names_and_refuses_others(key):
     with pytest.raises(ConfigError) as refused:
         build_config("cpu", [f"{key}=nonesuch"])
     assert f"{key} must be one of {names}, got 'nonesuch'" in str(refused.value)
-
-
-def test_q_psi_on_dreams_is_refused_without_dreams_to_learn_the_past_slots_from():
-    with pytest.raises(ConfigError, match="inference.classifier_on_dreams needs dreaming"):
-        build_config("cpu", ["inference.classifier_on_dreams=true", "dream.enabled=false"])
-    build_config("cpu", ["inference.classifier_on_dreams=true", "dream.enabled=false", "inference.enabled=false"])
-    build_config("cpu", ["inference.classifier_on_dreams=true"])

@@ -1,7 +1,6 @@
 """S: the decision rule of eq. 6 on hand-made inputs."""
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -176,51 +175,3 @@ def test_q_psi_on_features_that_do_not_tell_slots_apart_learns_the_label_frequen
     with torch.no_grad():
         p_current = float(torch.softmax(q(torch.randn(4096, 8)), 1)[:, 0].mean())
     assert p_current == pytest.approx(prior, abs=0.03)
-
-
-@pytest.mark.parametrize("on_dreams, named", [(False, 1), (True, 0)])
-def test_q_psi_trained_on_the_real_batch_names_the_current_slot_for_a_past_ones_real_images_unless_on_dreams(
-        on_dreams, named):
-    # Features: the slot's content on dims 0 and 1 (slot 0 and 1), and dim 2 = 3 on real images, 0
-    # on dreams. Slot 1 is current, slot 0 past. Trained on [real of 1; dreams of 0], "real" tells
-    # the labels apart as well as content does and is the larger feature, so a real image of slot 0
-    # is named slot 1. Trained on dreams of both (`classifier_on_dreams`), the real/dream feature
-    # carries no label, and the same image is named by its content.
-    torch.manual_seed(0)
-    cfg = Config()
-    cfg.model.k_max = 2
-    cfg.inference.classifier_on_dreams = on_dreams
-    q = torch.nn.Linear(3, 2)
-    torch.nn.init.zeros_(q.weight), torch.nn.init.zeros_(q.bias)
-    inf = build(cfg, classifier=q, optimizer=torch.optim.Adam(q.parameters(), lr=0.05))
-
-    def images(slot, real, n):
-        content = torch.nn.functional.one_hot(torch.full((n,), slot), 2).float() + 0.5 * torch.randn(n, 2)
-        return torch.cat([content, torch.full((n, 1), 3.0 if real else 0.0)], 1)
-
-    for _ in range(300):
-        hidden = torch.cat([images(1, True, 64), images(0, False, 32)])
-        dreams = SimpleNamespace(env=torch.zeros(32, dtype=torch.long))
-        own = images(1, False, 32) if on_dreams else None
-        inf.train_classifier(q(hidden), 1, 64, dreams, own_dreams=own)
-    with torch.no_grad():
-        assert int(torch.softmax(q(images(0, True, 512)), 1).mean(0).argmax()) == named
-        assert int(torch.softmax(q(images(1, True, 512)), 1).mean(0).argmax()) == 1
-
-
-def test_q_psi_on_dreams_reads_the_past_dreams_then_the_current_slots_own_and_not_the_real_batch():
-    # Two real rows at a logit that favours slot 1, one dream of slot 0 and one own dream of slot 2:
-    # the loss is the cross-entropy of the two dream rows alone, by hand.
-    cfg = Config()
-    cfg.model.k_max = 3
-    cfg.inference.classifier_on_dreams = True
-    q = torch.nn.Linear(3, 3)
-    with torch.no_grad():
-        q.weight.copy_(torch.eye(3)), q.bias.zero_()
-    inf = build(cfg, classifier=q, optimizer=torch.optim.Adam(q.parameters()))
-    real_and_dream = torch.tensor([[0.0, 5.0, 0.0], [0.0, 5.0, 0.0], [1.0, 0.0, 0.0]])
-    own = torch.tensor([[0.0, 0.0, 2.0]])
-    loss = inf.train_classifier(real_and_dream, 2, 2, SimpleNamespace(env=torch.tensor([0])), learn=False,
-                                own_dreams=own)["classifier"]
-    by_hand = (-math.log(math.e / (math.e + 2)) - math.log(math.e ** 2 / (math.e ** 2 + 2))) / 2
-    assert float(loss) == pytest.approx(by_hand)

@@ -176,41 +176,6 @@ def test_synthetic_two_environment_stream_gets_exactly_two_environments():
     assert assigned[-1] == 1 and assigned.index(1) - steps < 50
 
 
-def test_q_psi_on_dreams_still_finds_exactly_two_environments_on_the_synthetic_stream():
-    """The same stream with q_psi trained on dreams alone (`classifier_on_dreams`): it sees no real
-    batch, and must name the new slot for the right half's real squares from that slot's own
-    dreams. With a cooldown of 50 steps those dreams are not formed when judging resumes, q_psi
-    names slot 0, and 4 slots are allocated; 200 steps suffice."""
-    torch.manual_seed(0)
-    lrn = learner("SDA", ["inference.patience=5", "inference.cooldown=200", "objective.capacity_ramp_steps=200",
-                          "train.lr=1e-3", "inference.classifier_lr=0.01", "inference.classifier_on_dreams=true"])
-    gen = torch.Generator().manual_seed(0)
-    steps = 500
-    assigned = [lrn.training_step(squares(16, gen, i // steps)).decision.env for i in range(2 * steps)]
-    assert lrn.inference.n_envs == 2
-    assert set(assigned[:steps]) == {0}
-    assert set(assigned[steps + 10:]) == {1}
-
-
-def test_q_psi_on_dreams_leaves_the_model_as_it_is_while_the_verdicts_agree():
-    """The current slot's dreams for q_psi draw from a stream of their own and q_psi's gradient stops
-    at the encoder, so on one environment (every verdict the same) the model trains the same bits;
-    only q_psi and its loss differ."""
-    runs = []
-    for on in (False, True):
-        torch.manual_seed(0)
-        lrn = learner("SDA", [f"inference.classifier_on_dreams={str(on).lower()}"])
-        gen = torch.Generator().manual_seed(0)
-        outs = [lrn.training_step(squares(16, gen, 0)) for _ in range(6)]
-        runs.append(([{k: v for k, v in o.losses.items() if k != "classifier"} for o in outs],
-                     [o.losses["classifier"] for o in outs], lrn.state_dict()))
-    (losses_off, q_off, state_off), (losses_on, q_on, state_on) = runs
-    assert losses_off == losses_on and q_off != q_on
-    assert same_state(state_off["model"], state_on["model"]) and same_state(state_off["optimizer"], state_on["optimizer"])
-    assert torch.equal(state_off["generator"], state_on["generator"])
-    assert not same_state(state_off["classifier"], state_on["classifier"])
-
-
 def test_without_s_a_does_not_mask_latents_while_they_are_learnt():
     """The "A" row: one slot, and thresholds so low that every latent leaving the prior is atypical.
     Literal eq. 5 masked them within a few steps; now only latents the slot has learnt (used while

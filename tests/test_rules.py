@@ -143,19 +143,6 @@ def classifier_loss(real, dreamt):
     return run
 
 
-def own_dreams_of(with_s):
-    """The shape of the current slot's own dreams a learner gives q_psi, with
-    `inference.classifier_on_dreams` on where the set holds the rule, or None."""
-    def run(names):
-        cfg = case_config(with_s=with_s)
-        cfg.inference.classifier_on_dreams = True
-        with patch.dict(RULE_SETS, {"case": tuple(names)}):
-            cfg.inference.rules = "case"
-            own = Learner(cfg).own_dreams(0)
-        return None if own is None else tuple(own.shape)
-    return run
-
-
 PAPER = RULE_SETS["paper"]
 # rule -> (a case where it changes the outcome, a case where it does not, the other rules of both runs)
 CASES = {
@@ -172,7 +159,6 @@ CASES = {
     "learnt_latents_only": (maskable_of_one_slot([False, True, False, False]), maskable_of_one_slot([True] * 4), ()),
     "fresh_latent_penalty": (mdl_with(fresh_atypical=torch.tensor(2.0)), mdl_with(), ()),
     "balanced_classifier": (classifier_loss(3, 1), classifier_loss(2, 2), ()),
-    "classifier_on_dreams": (own_dreams_of(with_s=True), own_dreams_of(with_s=False), ()),
 }
 
 
@@ -310,8 +296,6 @@ def test_table1_names_the_rules_a_run_left_out():
     assert row_label({**today, "balanced_classifier": True}) == "SDA (balanced classifier)"
     assert row_label({**today, "balanced_classifier": False}) == "SDA"
     assert row_label({**today, "ablation": "DA", "balanced_classifier": True}) == "DA"
-    assert row_label({**today, "classifier_on_dreams": True}) == "SDA (classifier on dreams)"
-    assert row_label({**today, "ablation": "DA", "classifier_on_dreams": True}) == "DA"
     trained = {"ablation": "SDA", "pending_batches_train": True, "sync_at_allocation": False, "rule_names": []}
     assert row_label(trained) == "SDA (pending batches trained)"
     assert row_label({"ablation": "SDA"}) == (  # a results.json without the fields

@@ -51,8 +51,6 @@ def problems(cfg: Config) -> list[str]:
         errs.append("inference.kappa must be > 0 and inference.error_margin >= 0")
     if cfg.inference.patience < 1:
         errs.append("inference.patience must be at least 1")
-    if cfg.inference.classifier_on_dreams and cfg.inference.enabled and not cfg.dream.enabled:
-        errs.append("inference.classifier_on_dreams needs dreaming (D): q_psi would see no past slot's images")
     if cfg.dream.snapshot_every < 1:
         errs.append("dream.snapshot_every must be at least 1")
     if cfg.train.checkpoint_minutes < 0:

@@ -138,11 +138,6 @@ class InferenceConfig:
     # prior. Off by default: balanced, q_psi split MNIST in one digit seed (docs/method.md,
     # "q_psi's prior").
     balanced_classifier: bool = False
-    # q_psi learns from dreams of every slot, the current one's drawn from the live model, and not
-    # from the real batch [ours, the rule `classifier_on_dreams`]. Off: real images only ever carry
-    # the current slot's label, so "real" is itself a cue for the current slot (docs/method.md,
-    # "q_psi's prior"). Needs D.
-    classifier_on_dreams: bool = False
     # A study instrument [ours]: on every judged batch, also decide it as the set would without each
     # rule that acts on the verdict alone (`vase.rules.VERDICT_RULES`), and count the batches where
     # that decision differs (results.json, "rule_activity"). A rule that never changes a verdict

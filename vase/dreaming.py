@@ -46,13 +46,19 @@ class Snapshot:
         if not sample:
             return Dreams(z, env, *self.passes(z, env))
         # The uniforms are drawn here, not inside the passes, so a CUDA graph replays them as an input.
-        return Dreams(z, env, *self.passes(z, env, image_uniforms(self.model, n, generator)))
+        shape = (n, self.model.decoder.image_channels, IMAGE_SIZE, IMAGE_SIZE)
+        return Dreams(z, env, *self.passes(z, env, torch.rand(shape, generator=generator, device=device)))
 
     @torch.no_grad()
     def imagine(self, z: torch.Tensor, env: torch.Tensor,
                 uniform: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, Posterior]:
-        """(x', the decoder's logits, q_phi'(z|x')) of the snapshot for codes z under environments env."""
-        return imagine(self.model, z, env, uniform)
+        """(x', the decoder's logits, q_phi'(z|x')) of the snapshot for codes z under environments env:
+        x' the pixels' means, or with `uniform` a Bernoulli draw of them (pixel on where u < p)."""
+        logits = self.model.decoder(z, env).float()
+        x = torch.sigmoid(logits)
+        if uniform is not None:
+            x = (uniform < x).to(x.dtype)
+        return x, logits, Posterior(*(p.float() for p in self.model.encoder(x)))
 
     def state_dict(self) -> dict:
         return self.model.state_dict()
@@ -97,24 +103,6 @@ class NoDreams:
 
     def stepped(self, step: int, model: VAE) -> None:
         pass
-
-
-@torch.no_grad()
-def imagine(model: VAE, z: torch.Tensor, env: torch.Tensor,
-            uniform: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, Posterior]:
-    """(x', the decoder's logits, q_phi(z|x')) of `model` for codes z under environments env: x' the
-    pixels' means, or with `uniform` a Bernoulli draw of them (pixel on where u < p)."""
-    logits = model.decoder(z, env).float()
-    x = torch.sigmoid(logits)
-    if uniform is not None:
-        x = (uniform < x).to(x.dtype)
-    return x, logits, Posterior(*(p.float() for p in model.encoder(x)))
-
-
-def image_uniforms(model: VAE, n: int, generator: torch.Generator) -> torch.Tensor:
-    """The uniforms of a Bernoulli draw of n images of `model` (`dream.images` "sample")."""
-    shape = (n, model.decoder.image_channels, IMAGE_SIZE, IMAGE_SIZE)
-    return torch.rand(shape, generator=generator, device=generator.device)
 
 
 def encoder_proximity(current: Posterior, snapshot: Posterior) -> torch.Tensor:

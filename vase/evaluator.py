@@ -309,7 +309,6 @@ class Evaluator(Callback):
             "dream_images": cfg.dream.images,
             "pending_batches_train": "frozen_while_pending" not in rule_names,
             "balanced_classifier": rules.as_configured(cfg).inference.balanced_classifier,
-            "classifier_on_dreams": rules.as_configured(cfg).inference.classifier_on_dreams,
             "mode": cfg.objective.mode,
             "preset": cfg.preset,
             "sequence": cfg.data.sequence,

@@ -111,16 +111,12 @@ class EnvironmentInference:
         return logits, F.softmax(logits[:batch].detach(), dim=1).mean(0)
 
     def train_classifier(self, logits: torch.Tensor, env: int, batch: int, dreams,
-                         learn: bool = True, own_dreams: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                         learn: bool = True) -> dict[str, torch.Tensor]:
         """q_psi: cross-entropy on the real batch (inferred label) and on dreams (their label); the
-        step is taken only where the batch learns (`learns`). With `own_dreams`, the encoder features
-        of dreams of env (the rule `classifier_on_dreams`), they take the real batch's place."""
-        past = dreams.env if dreams is not None else torch.zeros(0, dtype=torch.long, device=self.device)
-        if own_dreams is None:  # [x; x']: the rows of `logits`
-            labels = torch.cat([torch.full((batch,), env, dtype=torch.long, device=self.device), past])
-        else:  # [x'; dreams of env]
-            logits = torch.cat([logits[batch:], self.classifier(own_dreams)])
-            labels = torch.cat([past, torch.full((own_dreams.shape[0],), env, dtype=torch.long, device=self.device)])
+        step is taken only where the batch learns (`learns`)."""
+        labels = torch.full((batch,), env, dtype=torch.long, device=self.device)
+        if dreams is not None:
+            labels = torch.cat([labels, dreams.env])
         loss = (balanced_cross_entropy if self.cfg.balanced_classifier else F.cross_entropy)(logits, labels)
         if learn:
             self.optimizer.zero_grad(set_to_none=True)
@@ -324,7 +320,7 @@ class SingleEnvironment(EnvironmentInference):
     def classify(self, hidden: torch.Tensor, batch: int) -> tuple[None, None]:
         return None, None
 
-    def train_classifier(self, logits, env: int, batch: int, dreams, learn: bool = True, own_dreams=None) -> dict:
+    def train_classifier(self, logits, env: int, batch: int, dreams, learn: bool = True) -> dict:
         return {}
 
     def slot_of(self, x: torch.Tensor, encoder: torch.nn.Module) -> int:

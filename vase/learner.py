@@ -21,16 +21,7 @@ from vase.config import Config
 from vase.conv_paths import place, use_implementation
 from vase.cuda_graphs import GraphedNoGrad, GraphedPasses, usable
 from vase.device import precision_context
-from vase.dreaming import (
-    Dreaming,
-    Dreams,
-    NoDreams,
-    Snapshot,
-    decoder_proximity,
-    encoder_proximity,
-    image_uniforms,
-    imagine,
-)
+from vase.dreaming import Dreaming, Dreams, NoDreams, Snapshot, decoder_proximity, encoder_proximity
 from vase.errors import NumericalError
 from vase.inference import Decision, build
 from vase.masking import atypicality
@@ -88,9 +79,6 @@ class Learner:
         m = cfg.model
         # Every random draw of the step comes from this generator, on the device it feeds.
         self.generator = torch.Generator(device=device).manual_seed(cfg.train.seed)
-        # The dreams q_psi alone reads (`own_dreams`) draw from a stream of their own, re-seeded from
-        # (seed, step) each step: the model's stream is the run without them, and resume stays exact.
-        self.own_generator = torch.Generator(device=device)
         # Weight init draws from torch's global (CPU) RNG, seeded from the run seed, and happens on
         # the CPU, so a seed gives the same initial weights on every device.
         torch.manual_seed(cfg.train.seed)
@@ -286,8 +274,7 @@ class Learner:
         """q_psi's step (on detached features, so separate), then the model's, after one host read of
         every loss term and the gradient norm (the NaN check and the logs). A batch that does not
         learn (`EnvironmentInference.learns`) is logged with a gradient norm of 0 and moves nothing."""
-        losses.update(self.inference.train_classifier(enc.class_logits, env, enc.x.shape[0], dreams, learn,
-                                                      self.own_dreams(env)))
+        losses.update(self.inference.train_classifier(enc.class_logits, env, enc.x.shape[0], dreams, learn))
         self.optimizer.zero_grad(set_to_none=True)
         if learn:
             losses["total"].backward()
@@ -300,21 +287,6 @@ class Learner:
         if learn:
             self.optimizer.step()
         return values
-
-    def own_dreams(self, env: int) -> torch.Tensor | None:
-        """With the rule `classifier_on_dreams`, the live encoder's features of dreams of the current
-        slot env from the live model, as many as each past slot gets of eq. 7's dreams in expectation,
-        so q_psi's loss weighs every slot alike and sees no real image; else None."""
-        if not (self.inference.with_s and self.inference.cfg.classifier_on_dreams):
-            return None
-        past = len(self.inference.dream_environments())
-        n = max(1, self.cfg.dream.batch_size // max(1, past))
-        generator = self.own_generator.manual_seed((self.cfg.train.seed + 1) * 2_000_029 + self.step)
-        z = torch.randn(n, self.cfg.model.latents, generator=generator, device=self.device)
-        envs = torch.full((n,), env, dtype=torch.long, device=self.device)
-        uniform = image_uniforms(self.model, n, generator) if self.cfg.dream.images == "sample" else None
-        with self.autocast():
-            return imagine(self.model, z, envs, uniform)[2].hidden.float()
 
     def _gradient_norm(self) -> torch.Tensor:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]

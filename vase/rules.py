@@ -231,22 +231,6 @@ class BalancedClassifier(Rule):
     with_s = True
 
 
-class ClassifierOnDreams(Rule):
-    """q_psi's cross-entropy reads dreams of every allocated slot and no real image: the past slots'
-    are eq. 7's, the current slot's are drawn from the live model, as many as each past slot gets
-    (`vase.learner.Learner.own_dreams`). Fixes: trained on the real batch, labelled with the current
-    slot, and on dreams of the past ones, q_psi can tell the slots apart by whether an image is real;
-    on the default sprite run it named the current slot for a past environment's real batches and
-    for that slot's own dreams, and on `mnist,moving_fashion,mnist` the returning MNIST trained in
-    moving Fashion's slot (docs/method.md, "q_psi's prior"). Setting:
-    `inference.classifier_on_dreams`."""
-
-    name = "classifier_on_dreams"
-    settings = ("inference.classifier_on_dreams",)
-    as_printed = {"inference.classifier_on_dreams": False}
-    with_s = True
-
-
 # -- the objective's addition to eq. 3 (read by `vase.objective`) -------------------------------------------
 class FreshLatentPenalty(Rule):
     """In a new environment, gamma times the atypicality of its fresh latents (unmasked, used by no
@@ -262,7 +246,7 @@ class FreshLatentPenalty(Rule):
 RULES: dict[str, type[Rule]] = {rule.name: rule for rule in (
     Debouncing, FrozenWhilePending, Hysteresis, SmoothedAtypicality,
     Settling, Information, ErrorMargin, SettledMasks,
-    OthersLatentsOnly, LearntLatentsOnly, BalancedClassifier, ClassifierOnDreams, FreshLatentPenalty,
+    OthersLatentsOnly, LearntLatentsOnly, BalancedClassifier, FreshLatentPenalty,
 )}
 RULE_SETS: dict[str, tuple[str, ...]] = {
     "vase": tuple(RULES),
