@@ -201,3 +201,30 @@ def test_a_setting_of_named_choices_takes_those_names_and_refuses_others(key):
     with pytest.raises(ConfigError) as refused:
         build_config("cpu", [f"{key}=nonesuch"])
     assert f"{key} must be one of {names}, got 'nonesuch'" in str(refused.value)
+
+
+@pytest.mark.parametrize("assignment, message", [
+    ("train.batch_size=0", "train.batch_size must be positive"),
+    ("imagination.weight=-1", "imagination.batch_size must be positive and imagination.weight >= 0"),
+    ("dream.batch_size=0", "dream.batch_size must be positive"),
+    ("model.k_max=0", "model.k_max must be at least 1"),
+    ("objective.gamma=-0.5", "objective.gamma must be >= 0"),
+    ("objective.fresh_aggregate_weight=-1", "objective.fresh_aggregate_weight must be >= 0"),
+    ("objective.capacity_ramp_steps=-1", "objective.capacity_ramp_steps must be >= 0"),
+    ("mask.ema=1", r"mask.ema and inference.error_ema must be in \[0, 1\)"),
+    ("inference.error_ema=-0.1", r"mask.ema and inference.error_ema must be in \[0, 1\)"),
+    ("inference.kappa=0", "inference.kappa must be > 0 and inference.error_margin >= 0"),
+    ("inference.patience=0", "inference.patience must be at least 1"),
+    ("dream.snapshot_every=0", "dream.snapshot_every must be at least 1"),
+    ("train.checkpoint_minutes=-1", r"train.checkpoint_minutes must be >= 0 \(0: checkpoint by steps only\)"),
+    ("train.checkpoint_every=0", "train.checkpoint_every must be at least 1"),
+    ("train.log_every=0", "train.log_every must be at least 1"),
+    ("train.image_every=0", "train.image_every must be at least 1"),
+    ("probe.train_size=1", "probe.every, probe.train_size and probe.test_size must be positive"),
+])
+def test_a_setting_out_of_its_range_is_refused_with_its_message(assignment, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config("cpu", [assignment])
+    key, _, _ = assignment.partition("=")
+    section, name = key.split(".")
+    build_config("cpu", [f"{key}={getattr(getattr(build_config('cpu'), section), name)}"])  # the default holds
