@@ -226,5 +226,4 @@ def test_a_setting_out_of_its_range_is_refused_with_its_message(assignment, mess
     with pytest.raises(ConfigError, match=message):
         build_config("cpu", [assignment])
     key, _, _ = assignment.partition("=")
-    section, name = key.split(".")
-    build_config("cpu", [f"{key}={getattr(getattr(build_config('cpu'), section), name)}"])  # the default holds
+    build_config("cpu", [f"{key}={setting(build_config('cpu'), key)}"])  # the default holds
