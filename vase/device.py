@@ -113,6 +113,11 @@ def host() -> dict:
             "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
+def wide_float(device: torch.device) -> torch.dtype:
+    """The widest float dtype of a device: float64, or float32 on MPS, which has no float64."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
 def precision_context(device: torch.device, precision: str):
     """train.precision: a factory of the context the forward passes run in.
 

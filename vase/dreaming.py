@@ -27,6 +27,7 @@ class Snapshot:
     def __init__(self, model: VAE):
         self.model = copy.deepcopy(model).requires_grad_(False).eval()
         self.passes = self.imagine  # the no-gradient passes of a dream (a CUDA graph replay on CUDA)
+        self.uploaded: tuple[tuple, torch.Tensor | None] = ((), None)  # (environments, on their device)
 
     def sync(self, model: VAE) -> None:
         self.model.load_state_dict(model.state_dict())
@@ -41,13 +42,22 @@ class Snapshot:
         """
         device = generator.device
         choice = torch.randint(len(past), (n,), generator=generator, device=device)
-        env = torch.tensor(past, dtype=torch.long, device=device)[choice]
+        env = self.environments(past, device)[choice]
         z = torch.randn(n, latents, generator=generator, device=device)
         if not sample:
             return Dreams(z, env, *self.passes(z, env))
         # The uniforms are drawn here, not inside the passes, so a CUDA graph replays them as an input.
         shape = (n, self.model.decoder.image_channels, IMAGE_SIZE, IMAGE_SIZE)
         return Dreams(z, env, *self.passes(z, env, torch.rand(shape, generator=generator, device=device)))
+
+    def environments(self, past: list[int], device: torch.device) -> torch.Tensor:
+        """`past` as a tensor on `device`, uploaded only when the list changes: an upload from the
+        host waits for the device to catch up (docs/devices.md), and the list changes only when the
+        inference allocates or switches."""
+        key = (tuple(past), device)
+        if self.uploaded[0] != key:
+            self.uploaded = (key, torch.tensor(past, dtype=torch.long, device=device))
+        return self.uploaded[1]
 
     @torch.no_grad()
     def imagine(self, z: torch.Tensor, env: torch.Tensor,

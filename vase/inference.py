@@ -24,6 +24,7 @@ from torch.nn import functional as F
 
 from vase import rules
 from vase.config import Config
+from vase.evidence import Evidence, Tests
 from vase.masking import AllOnes, Masks, start_mask
 from vase.rules import MASK, RECONSTRUCTION
 from vase.slots import Slots
@@ -174,12 +175,13 @@ class EnvironmentInference:
         return latents
 
     def predict(self, probs: torch.Tensor) -> int:
-        """s_hat = argmax of the batch-averaged q_psi(s|x) over the allocated slots."""
+        """s_hat = argmax of the batch-averaged q_psi(s|x) over the allocated slots (evaluation; a
+        training step reads it with eq. 6's tests, `vase.evidence`)."""
         return int(probs[: self.n_envs].argmax())
 
-    def threshold(self, env: int) -> float:
-        """kappa * L_s (eq. 6), plus `inference.error_margin` (`vase.rules.ErrorMargin`)."""
-        return self.cfg.kappa * float(self.slots[env].error) + self.cfg.error_margin
+    def threshold(self, slot_error: float) -> float:
+        """kappa * L_s (eq. 6) for L_s = `slot_error`, plus `inference.error_margin` (`vase.rules.ErrorMargin`)."""
+        return self.cfg.kappa * slot_error + self.cfg.error_margin
 
     def mask_scope(self, env: int, alpha: torch.Tensor, usage: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The latents eq. 6's mask test reads: those env or the batch uses."""
@@ -189,29 +191,25 @@ class EnvironmentInference:
             scope = hook(self, env, alpha, usage, scope)
         return scope
 
-    def failures(self, env: int, error: float, alpha: torch.Tensor, usage: torch.Tensor) -> tuple[list[str], list[int]]:
-        """Which tests of eq. 6 the batch fails for candidate `env` (none: it passes), and the latents
-        on which a test of the masks or of latent use failed."""
-        reasons, latents = [], []
-        if error > self.threshold(env):
-            reasons.append(RECONSTRUCTION)
-        disagreeing = self.masking.disagreement(self.slots[env], alpha, self.mask_scope(env, alpha, usage))
-        if disagreeing is not None:
-            latents = disagreeing.nonzero().flatten().tolist()
-            if latents:
-                reasons.append(MASK)
+    def failures(self, tests: Tests) -> tuple[list[str], list[int]]:
+        """Which tests of eq. 6 a batch fails against a slot (none: it passes), from the batch's
+        `tests` there (`vase.evidence`), and the latents on which the mask test failed."""
+        reasons = [RECONSTRUCTION] if tests.error > self.threshold(tests.slot_error) else []
+        latents = list(tests.disagreeing or ())
+        if latents:
+            reasons.append(MASK)
         return reasons, latents
 
     # -- the decision -----------------------------------------------------------------------------
-    def judge(self, step: int, predicted: int, alpha: torch.Tensor, usage: torch.Tensor,
-              error_under: Callable[[int], float]):
+    def judge(self, step: int, evidence: Evidence):
         """Eq. 6 on one batch, reading the state and writing none of it: (verdict, env, and s_hat's
         (reasons, error, threshold, latents), or None for a batch left unjudged)."""
         if any(hook(self, step) for hook in self.hooks["unjudged"]):
             return "same", self.current, None
-        error = error_under(predicted)
-        reasons, latents = self.failures(predicted, error, alpha, usage)
-        tested = (reasons, error, self.threshold(predicted), latents)
+        predicted = evidence.predicted()
+        tests = evidence.tests(predicted)
+        reasons, latents = self.failures(tests)
+        tested = (reasons, tests.error, self.threshold(tests.slot_error), latents)
         if not reasons:
             return ("same" if predicted == self.current else "switch"), predicted, tested
         if self.pending + 1 < self.cfg.patience:
@@ -220,11 +218,11 @@ class EnvironmentInference:
             return "full", self.current, tested
         return "new", self.n_envs, tested
 
-    def count_counterfactuals(self, step: int, verdict: str, env: int, judge_args: tuple) -> None:
+    def count_counterfactuals(self, step: int, verdict: str, env: int, evidence: Evidence) -> None:
         """inference.counterfactuals: the batches on which the set without a rule decides otherwise."""
         for name, (hooks, cfg) in self.shadows.items():
             with self.viewed_as(hooks, cfg):
-                other = self.judge(step, *judge_args)[:2]
+                other = self.judge(step, evidence)[:2]
             if other != (verdict, env):
                 count = self.activity[name]
                 count["changed"] += 1
@@ -232,16 +230,17 @@ class EnvironmentInference:
                 count["last_step"] = step
 
     def infer(self, step: int, probs: torch.Tensor, alpha: torch.Tensor, usage: torch.Tensor,
-              error_under: Callable[[int], float]) -> Decision:
+              error_under: Callable[[int], torch.Tensor | float]) -> Decision:
         """Decide the environment of one batch (eq. 6) from q_psi's `probs`, its atypicality and
-        per-latent use (`reading`). `error_under(s)` reconstructs it under s."""
+        per-latent use (`reading`). `error_under(s)` reconstructs it under s: its mean error, a 0-d
+        tensor read with the rest of eq. 6's evidence (`vase.evidence`), or a float."""
         if self.n_envs == 0:
             return self.allocate(step, 0, "first", [])
-        predicted = self.predict(probs)
-        args = (predicted, alpha, usage, error_under)
-        verdict, env, tested = self.judge(step, *args)
+        evidence = Evidence(self, probs, alpha, usage, error_under)
+        verdict, env, tested = self.judge(step, evidence)
         if self.shadows:
-            self.count_counterfactuals(step, verdict, env, args)
+            self.count_counterfactuals(step, verdict, env, evidence)
+        predicted = evidence.predicted()
         if tested is None:  # unjudged
             self.pending = 0
             return Decision(step, self.current, predicted, "same")

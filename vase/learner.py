@@ -191,8 +191,9 @@ class Learner:
         return enc.decoded[env]
 
     def infer_environment(self, enc: Encoded, dreams: Dreams | None) -> Decision:
-        """Eq. 6 under the rule set `inference.rules`; with S off, environment 0."""
-        error = lambda env: float(self.reconstruct(enc, env, dreams)[2].detach().mean())  # noqa: E731
+        """Eq. 6 under the rule set `inference.rules`; with S off, environment 0. The errors stay on
+        the device until eq. 6 reads them with its other evidence (`vase.evidence`)."""
+        error = lambda env: self.reconstruct(enc, env, dreams)[2].detach().mean()  # noqa: E731
         return self.inference.infer(self.step, enc.probs, enc.alpha, enc.usage, error)
 
     def enter(self, decision: Decision, alpha: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch.nn import functional as F
 
+from vase.evidence import Evidence
 from vase.inference import most_likely_slot
 from vase.rules import MASK, RECONSTRUCTION
 
@@ -100,7 +101,7 @@ def slot_tests(evaluator) -> list[SlotTests]:
     """For the learner of `evaluator`: each environment's held-out images in batches of the training
     batch size, each one encoded, read (eq. 4 and the rule set's latent use) and reconstructed as a
     training step does, then tested against every allocated slot with the rule set's own tests
-    (`EnvironmentInference.failures`). Reads the learner's state and writes none of it (the
+    (`EnvironmentInference.failures` on `vase.evidence`). Reads the learner's state and writes none of it (the
     reparameterisation noise comes from its generator)."""
     learner = evaluator.learner
     inference, batch = learner.inference, learner.cfg.train.batch_size
@@ -112,19 +113,21 @@ def slot_tests(evaluator) -> list[SlotTests]:
         errors = [[] for _ in slots]
         for start in range(0, x.shape[0] - batch + 1, batch):
             enc = learner.encode(x[start:start + batch], None)
-            named.append(inference.predict(enc.probs))
+            evidence = Evidence(inference, enc.probs, enc.alpha, enc.usage,
+                                lambda s: learner.reconstruct(enc, s, None)[2].mean())
+            named.append(evidence.predicted())
             for s in slots:
-                error = float(learner.reconstruct(enc, s, None)[2].mean())
-                reasons, _ = inference.failures(s, error, enc.alpha, enc.usage)
+                tests = evidence.tests(s)
+                reasons, _ = inference.failures(tests)
                 passes[s].append(not reasons)
                 reasons_of[s].append(reasons)
-                errors[s].append(error)
+                errors[s].append(tests.error)
         rows.append(SlotTests(
             env.name, named, passes,
             [sum(RECONSTRUCTION in r for r in reasons_of[s]) for s in slots],
             [sum(MASK in r for r in reasons_of[s]) for s in slots],
             [round(sum(errors[s]) / len(errors[s]), 1) for s in slots],
-            [round(inference.threshold(s), 1) for s in slots]))
+            [round(inference.threshold(float(inference.slots[s].error)), 1) for s in slots]))
     return rows
 
 

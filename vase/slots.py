@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vase.device import wide_float
+
 # The fields of a slot and, for checkpoints, the ones that live on the host (read by `if`s).
 TENSORS = ("mask", "alpha", "learnt", "error", "usage")
 FLAGS = ("initialised", "recorded")
@@ -51,8 +53,7 @@ class Slot:
             return
         # (1 - ema) * error is rounded once from double precision, as a Python float would be, so the
         # running average is the same number whether the error comes as a tensor or as a float.
-        wide = torch.float32 if device.type == "mps" else torch.float64
-        self.error = ema * self.error + ((1 - ema) * error.to(wide)).float()
+        self.error = ema * self.error + ((1 - ema) * error.to(wide_float(device))).float()
         self.usage = ema * self.usage + (1 - ema) * usage
 
 
