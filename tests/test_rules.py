@@ -143,6 +143,22 @@ def classifier_loss(real, dreamt):
     return run
 
 
+def eq6_error_on(grey):
+    """The error eq. 6 reads under slot 0 of an untrained learner, on squares that are grey (each
+    pixel 0.5: 400 ln 2 nats of the images' own entropy) or white (none)."""
+    def run(names):
+        cfg = build_config("cpu", ["model.channels=8,8,8,8", "model.hidden=32", "model.latents=4",
+                                   "inference.error_less_entropy=true"], "SDA")
+        with patch.dict(RULE_SETS, {"case": tuple(names)}):
+            cfg.inference.rules = "case"
+            torch.manual_seed(0)
+            lrn = Learner(cfg)
+        x = torch.zeros(8, 1, 64, 64)
+        x[:, :, 20:40, 20:40] = 0.5 if grey else 1.0
+        return float(lrn.eq6_error(lrn.encode(x, None), 0, None))
+    return run
+
+
 PAPER = RULE_SETS["paper"]
 # rule -> (a case where it changes the outcome, a case where it does not, the other rules of both runs)
 CASES = {
@@ -159,6 +175,7 @@ CASES = {
     "learnt_latents_only": (maskable_of_one_slot([False, True, False, False]), maskable_of_one_slot([True] * 4), ()),
     "fresh_latent_penalty": (mdl_with(fresh_atypical=torch.tensor(2.0)), mdl_with(), ()),
     "balanced_classifier": (classifier_loss(3, 1), classifier_loss(2, 2), ()),
+    "model_error": (eq6_error_on(grey=True), eq6_error_on(grey=False), ()),
 }
 
 

@@ -138,6 +138,10 @@ class InferenceConfig:
     # prior. Off by default: balanced, q_psi split MNIST in one digit seed (docs/method.md,
     # "q_psi's prior").
     balanced_classifier: bool = False
+    # Eq. 6's reconstruction error and L_s read less the images' own entropy, sum_i H(x_i) [ours,
+    # the rule `model_error`]: on grey images (Fashion 190 nats, digits 46) -log p(x|z) is mostly
+    # the data's entropy, so kappa * L_s of a dear environment lets a cheaper one through.
+    error_less_entropy: bool = False
     # A study instrument [ours]: on every judged batch, also decide it as the set would without each
     # rule that acts on the verdict alone (`vase.rules.VERDICT_RULES`), and count the batches where
     # that decision differs (results.json, "rule_activity"). A rule that never changes a verdict

@@ -28,6 +28,7 @@ from vase.masking import atypicality
 from vase.networks import VAE, EnvironmentClassifier, Posterior
 from vase.objective import (
     capacity,
+    image_entropy,
     kl_per_latent,
     masked_kl,
     masked_sample,
@@ -56,6 +57,7 @@ class Encoded:
     noise: torch.Tensor  # the reparameterisation's eps (eq. 2)
     class_logits: torch.Tensor | None  # q_psi on [x; x'], with S
     probs: torch.Tensor | None  # q_psi(s|x) averaged over the real batch, with S
+    entropy: torch.Tensor | None = None  # the batch's mean sum_i H(x_i), under the rule `model_error`
     decoded: dict = field(default_factory=dict)  # env -> (batch logits, dream logits, NLL per image)
 
 
@@ -160,7 +162,7 @@ class Learner:
         losses["total"] = self.total(losses)
         values = self.update(losses, enc, s, dreams, self.inference.learns(decision))
         # Eq. 5-6's statistics of s: L_s, its latent use, then a^s.
-        self.inference.bookkeeping(decision, recon.detach().mean(), enc.usage, enc.alpha, mask, maskable)
+        self.inference.bookkeeping(decision, self.eq6_error(enc, s, dreams), enc.usage, enc.alpha, mask, maskable)
         self.dreaming.stepped(t, self.model)  # every tau steps the snapshot is re-synced (paper §3.5)
         self.step += 1
         return StepOutput(step=t, decision=decision, losses=values, kl_per_latent=enc.kl, alpha=enc.alpha,
@@ -181,7 +183,8 @@ class Learner:
             usage = self.inference.reading(kl, alpha)  # latent use as the rule set reads it
         noise = torch.randn(real.mu.shape, generator=self.generator, device=self.device)
         logits, probs = self.inference.classify(posterior.hidden, batch)
-        return Encoded(x, posterior, real, alpha, kl, usage, noise, logits, probs)
+        entropy = image_entropy(x).mean() if self.inference.cfg.error_less_entropy else None
+        return Encoded(x, posterior, real, alpha, kl, usage, noise, logits, probs, entropy)
 
     def reconstruct(self, enc: Encoded, env: int, dreams: Dreams | None):
         """(batch logits, dream logits, -log p(x|z^env, env) per image), decoded once per env."""
@@ -190,10 +193,16 @@ class Learner:
             enc.decoded[env] = (real_logits, dream_logits, reconstruction_nll(real_logits, enc.x))
         return enc.decoded[env]
 
+    def eq6_error(self, enc: Encoded, env: int, dreams: Dreams | None) -> torch.Tensor:
+        """The batch's mean reconstruction error under env as eq. 6 and L_s read it, a 0-d tensor:
+        -log p(x|z^env, env), less the images' own entropy under the rule `model_error`."""
+        error = self.reconstruct(enc, env, dreams)[2].detach().mean()
+        return error if enc.entropy is None else error - enc.entropy
+
     def infer_environment(self, enc: Encoded, dreams: Dreams | None) -> Decision:
         """Eq. 6 under the rule set `inference.rules`; with S off, environment 0. The errors stay on
         the device until eq. 6 reads them with its other evidence (`vase.evidence`)."""
-        error = lambda env: self.reconstruct(enc, env, dreams)[2].detach().mean()  # noqa: E731
+        error = lambda env: self.eq6_error(enc, env, dreams)  # noqa: E731
         return self.inference.infer(self.step, enc.probs, enc.alpha, enc.usage, error)
 
     def enter(self, decision: Decision, alpha: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

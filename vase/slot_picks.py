@@ -114,7 +114,7 @@ def slot_tests(evaluator) -> list[SlotTests]:
         for start in range(0, x.shape[0] - batch + 1, batch):
             enc = learner.encode(x[start:start + batch], None)
             evidence = Evidence(inference, enc.probs, enc.alpha, enc.usage,
-                                lambda s: learner.reconstruct(enc, s, None)[2].mean())
+                                lambda s: learner.eq6_error(enc, s, None))
             named.append(evidence.predicted())
             for s in slots:
                 tests = evidence.tests(s)
