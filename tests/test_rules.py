@@ -313,6 +313,9 @@ def test_table1_names_the_rules_a_run_left_out():
     assert row_label({**today, "balanced_classifier": True}) == "SDA (balanced classifier)"
     assert row_label({**today, "balanced_classifier": False}) == "SDA"
     assert row_label({**today, "ablation": "DA", "balanced_classifier": True}) == "DA"
+    # So is eq. 6's error read less the images' entropy (`model_error`).
+    assert row_label({**today, "error_less_entropy": True}) == "SDA (eq. 6 error less the images' entropy)"
+    assert row_label({**today, "ablation": "-", "error_less_entropy": True}) == "-"
     trained = {"ablation": "SDA", "pending_batches_train": True, "sync_at_allocation": False, "rule_names": []}
     assert row_label(trained) == "SDA (pending batches trained)"
     assert row_label({"ablation": "SDA"}) == (  # a results.json without the fields

@@ -62,7 +62,8 @@ def row_label(result: dict) -> str:
     has that the run used (`rules_used`; a run left without it is named as today's set), eq. 7's
     weights where they are not 1 (`dream.encoder_weight`, `dream.decoder_weight`), dreams drawn
     from the snapshot's Bernoulli pixels (`dream.images`), q_psi trained with the rule
-    `balanced_classifier` (`inference.balanced_classifier`), and pending
+    `balanced_classifier` (`inference.balanced_classifier`), eq. 6's error read less the images'
+    entropy (the rule `model_error`, `inference.error_less_entropy`), and pending
     batches that trained although frozen_while_pending was in the set (results.json's
     `pending_batches_train`; a results.json without it is such a run)."""
     rules = result.get("rules", "vase")
@@ -84,6 +85,8 @@ def row_label(result: dict) -> str:
         notes.append("sampled dreams")
     if "S" in result["ablation"] and result.get("balanced_classifier", False):
         notes.append("balanced classifier")
+    if "S" in result["ablation"] and result.get("error_less_entropy", False):
+        notes.append("eq. 6 error less the images' entropy")
     in_set = "frozen_while_pending" not in result.get("rules_without", [])
     if "S" in result["ablation"] and in_set and result.get("pending_batches_train", True):
         notes.append("pending batches trained")
