@@ -45,10 +45,10 @@ def dropped(saved: Any, config: dict[str, Any]) -> Any:
 
 
 # Rules deleted because no run we measured needed them: they changed no verdict, or the runs without
-# them kept every figure we judge by; or, classifier_on_dreams, because the run with it failed
-# (docs/method.md, rules beyond eq. 6).
+# them kept every figure we judge by; or, classifier_on_dreams, because the run with it failed; or,
+# balanced_classifier, because the default set could not have it on (docs/method.md, rules beyond eq. 6).
 DELETED_RULES = ("current_first", "foreign_latents", "ranked_fallback", "resettling", "probation",
-                 "own_capacity_ramp", "classifier_on_dreams")
+                 "own_capacity_ramp", "classifier_on_dreams", "balanced_classifier")
 
 
 def without_deleted_rules(saved: Any, config: dict[str, Any]) -> Any:
@@ -94,6 +94,8 @@ MIGRATIONS: dict[str, Migration] = {
     "train.max_grad_norm": removed("train.max_grad_norm", 0.0),
     # Measured and rejected (docs/method.md, "q_psi on dreams").
     "inference.classifier_on_dreams": removed("inference.classifier_on_dreams", False),
+    # Off by default, so deleted (docs/method.md, "q_psi's prior").
+    "inference.balanced_classifier": removed("inference.balanced_classifier", False),
     # Held out by frozen_while_pending (docs/method.md, "The pending batches at an arrival").
     "inference.pending_batches_train": removed("inference.pending_batches_train", False, acted=holds_pending_batches),
     "inference.relied_kl": dropped,  # foreign_latents

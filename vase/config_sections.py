@@ -132,12 +132,6 @@ class InferenceConfig:
     # information: KL minus atypicality, an estimate of I(x; z_n) [ours].
     used_kl: float = 0.1
     classifier_lr: float = 1e-3
-    # q_psi's cross-entropy with each slot's examples weighted to one equal share [ours, the rule
-    # `balanced_classifier`]. Off: each example weighs the same, so q_psi learns the batch's label
-    # frequencies (64 real images of the current slot, 32 dreams split over the past ones) as its
-    # prior. Off by default: balanced, q_psi split MNIST in one digit seed (docs/method.md,
-    # "q_psi's prior").
-    balanced_classifier: bool = False
     # Eq. 6's reconstruction error and L_s read less the images' own entropy, sum_i H(x_i) [ours,
     # the rule `model_error`]: on grey images (Fashion 190 nats, digits 46) -log p(x|z) is mostly
     # the data's entropy, so kappa * L_s of a dear environment lets a cheaper one through.

@@ -118,7 +118,7 @@ class EnvironmentInference:
         labels = torch.full((batch,), env, dtype=torch.long, device=self.device)
         if dreams is not None:
             labels = torch.cat([labels, dreams.env])
-        loss = (balanced_cross_entropy if self.cfg.balanced_classifier else F.cross_entropy)(logits, labels)
+        loss = F.cross_entropy(logits, labels)
         if learn:
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -333,15 +333,6 @@ class SingleEnvironment(EnvironmentInference):
         if self.n_envs == 0:
             return self.allocate(step, 0, "first", [])
         return Decision(step, 0, 0, "same")
-
-
-def balanced_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The mean over the labels present of each label's mean cross-entropy: every slot in the batch
-    weighs the same whatever its count, so q_psi's prior over slots is uniform rather than the
-    batch's label frequencies (the rule `balanced_classifier`). Equal counts give F.cross_entropy."""
-    counts = torch.bincount(labels, minlength=logits.shape[1]).to(logits.dtype)
-    weights = 1.0 / (counts[labels] * (counts > 0).sum())
-    return (F.cross_entropy(logits, labels, reduction="none") * weights).sum()
 
 
 def most_likely_slot(classifier: torch.nn.Module, hidden: torch.Tensor, n_envs: int) -> int:

@@ -213,24 +213,6 @@ class LearntLatentsOnly(Rule):
         return inf.slots[env].learnt.clone()
 
 
-class BalancedClassifier(Rule):
-    """q_psi's cross-entropy gives each slot in the batch an equal share, the mean over slots of
-    each one's mean loss (`vase.inference.balanced_cross_entropy`). Fixes: trained on 64 real images
-    of the current slot and 32 dreams split over the past ones, q_psi learns those frequencies as
-    its prior; on the default sprite run it sends moving shapes A's real batches and its own
-    dreams to the newest slot (q 0.80 and 0.72 against 0.16 and 0.23 for slot 0 at step 3,000),
-    so eq. 6 tests a returning environment against the current slot; on `mnist,moving_fashion,mnist`
-    the returning MNIST trained in moving Fashion's slot. Off by default: without the frequencies
-    q_psi also named a past slot for a batch of the current environment and split MNIST (the
-    paper's sequence, seed 1; docs/method.md, "q_psi's prior"). Setting:
-    `inference.balanced_classifier`."""
-
-    name = "balanced_classifier"
-    settings = ("inference.balanced_classifier",)
-    as_printed = {"inference.balanced_classifier": False}
-    with_s = True
-
-
 class ModelError(Rule):
     """Eq. 6's reconstruction error and L_s are read less the images' own entropy, sum_i H(x_i)
     (`vase.objective.image_entropy`), the part of a Bernoulli -log p(x|z) that no model removes;
@@ -260,7 +242,7 @@ class FreshLatentPenalty(Rule):
 RULES: dict[str, type[Rule]] = {rule.name: rule for rule in (
     Debouncing, FrozenWhilePending, Hysteresis, SmoothedAtypicality,
     Settling, Information, ErrorMargin, SettledMasks,
-    OthersLatentsOnly, LearntLatentsOnly, BalancedClassifier, ModelError, FreshLatentPenalty,
+    OthersLatentsOnly, LearntLatentsOnly, ModelError, FreshLatentPenalty,
 )}
 RULE_SETS: dict[str, tuple[str, ...]] = {
     "vase": tuple(RULES),

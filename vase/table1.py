@@ -43,6 +43,9 @@ def _ramped(result: dict) -> bool:
 # `rule_names`, shows: a row names them where a run used them, and a run left without one is
 # today's set.
 NAMED_WHEN_USED = {"own_capacity_ramp": _ramped}
+# Deleted rules that acted only through a setting results.json records, and that a row names from it
+# ("balanced classifier"): in a run's set with the setting off they changed nothing.
+NAMED_BY_SETTING = ("balanced_classifier",)
 
 
 def rules_used(result: dict) -> list[str]:
@@ -62,14 +65,14 @@ def row_label(result: dict) -> str:
     has that the run used (`rules_used`; a run left without it is named as today's set), eq. 7's
     weights where they are not 1 (`dream.encoder_weight`, `dream.decoder_weight`), dreams drawn
     from the snapshot's Bernoulli pixels (`dream.images`), q_psi trained with the rule
-    `balanced_classifier` (`inference.balanced_classifier`), eq. 6's error read less the images'
+    `balanced_classifier`, since deleted (results.json's `balanced_classifier`), eq. 6's error read less the images'
     entropy (the rule `model_error`, `inference.error_less_entropy`), and pending
     batches that trained although frozen_while_pending was in the set (results.json's
     `pending_batches_train`; a results.json without it is such a run)."""
     rules = result.get("rules", "vase")
     notes = [f"{rules} rules"] if "S" in result["ablation"] and rules != "vase" else []
     notes += [f"without {name}" for name in result.get("rules_without", []) if name not in NAMED_WHEN_USED]
-    notes += [f"with {name}" for name in rules_used(result) if name not in RULES]
+    notes += [f"with {name}" for name in rules_used(result) if name not in RULES and name not in NAMED_BY_SETTING]
     if result.get("mode") != "entangled" and result.get("capacity_form") == "absolute":
         notes.append("absolute capacity term")
     if "D" in result["ablation"]:
