@@ -2,7 +2,7 @@
 reads the host once for eq. 6 and once for its logs."""
 import math
 import warnings
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from unittest.mock import patch
 
 import pytest
@@ -19,25 +19,22 @@ N = 4
 READS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "numpy", "cpu", "nonzero")
 
 
+def counting(function, count):
+    """`function`, adding one to count[0] at each call."""
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return function(*args, **kwargs)
+    return counted
+
+
 @contextmanager
 def counting_reads():
     """Counts the host reads of tensor values while active (a one-element list)."""
     count = [0]
-    originals = {name: getattr(torch.Tensor, name) for name in READS}
-
-    def counted(original):
-        def read(self, *args, **kwargs):
-            count[0] += 1
-            return original(self, *args, **kwargs)
-        return read
-
-    for name, original in originals.items():
-        setattr(torch.Tensor, name, counted(original))
-    try:
+    with ExitStack() as stack:
+        for name in READS:
+            stack.enter_context(patch.object(torch.Tensor, name, counting(getattr(torch.Tensor, name), count)))
         yield count
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
 
 
 def two_slots():
@@ -109,13 +106,6 @@ def host_traffic_per_step(lrn):
 
     lrn.training_step = counted
     yield counts
-
-
-def counting(function, count):
-    def counted(*args, **kwargs):
-        count[0] += 1
-        return function(*args, **kwargs)
-    return counted
 
 
 def test_a_training_step_reads_the_host_once_for_eq_6_and_once_for_its_logs():

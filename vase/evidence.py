@@ -63,15 +63,18 @@ class Evidence:
         slot = inf.slots[env]
         error = self.error_under(env)
         disagreeing = inf.masking.disagreement(slot, self.alpha, inf.mask_scope(env, self.alpha, self.usage))
+        parts = {"slot_error": slot.error}
+        if torch.is_tensor(error):
+            parts["error"] = error
+        if self._predicted is None:
+            parts["predicted"] = self.probs[: inf.n_envs].argmax()
+        if disagreeing is not None:
+            parts["disagreeing"] = disagreeing
         # Every value is exact in the device's widest float: float32 errors, small ints, booleans.
-        parts = {"slot_error": slot.error, "error": error if torch.is_tensor(error) else None,
-                 "predicted": None if self._predicted is not None else self.probs[: inf.n_envs].argmax(),
-                 "disagreeing": disagreeing}
-        present = {name: part for name, part in parts.items() if part is not None}
         dtype = wide_float(slot.error.device)
-        values = torch.cat([part.detach().reshape(-1).to(dtype) for part in present.values()]).tolist()
+        values = torch.cat([part.detach().reshape(-1).to(dtype) for part in parts.values()]).tolist()
         read, at = {}, 0
-        for name, part in present.items():
+        for name, part in parts.items():
             read[name], at = values[at:at + part.numel()], at + part.numel()
         if "predicted" in read:
             self._predicted = int(read["predicted"][0])

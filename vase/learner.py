@@ -59,6 +59,7 @@ class Encoded:
     probs: torch.Tensor | None  # q_psi(s|x) averaged over the real batch, with S
     entropy: torch.Tensor | None = None  # the batch's mean sum_i H(x_i), under the rule `model_error`
     decoded: dict = field(default_factory=dict)  # env -> (batch logits, dream logits, NLL per image)
+    errors: dict = field(default_factory=dict)  # env -> the batch's error as eq. 6 and L_s read it
 
 
 @dataclass
@@ -195,9 +196,12 @@ class Learner:
 
     def eq6_error(self, enc: Encoded, env: int, dreams: Dreams | None) -> torch.Tensor:
         """The batch's mean reconstruction error under env as eq. 6 and L_s read it, a 0-d tensor:
-        -log p(x|z^env, env), less the images' own entropy under the rule `model_error`."""
-        error = self.reconstruct(enc, env, dreams)[2].detach().mean()
-        return error if enc.entropy is None else error - enc.entropy
+        -log p(x|z^env, env), less the images' own entropy under the rule `model_error`; once per env,
+        for eq. 6 and the bookkeeping alike."""
+        if env not in enc.errors:
+            error = self.reconstruct(enc, env, dreams)[2].detach().mean()
+            enc.errors[env] = error if enc.entropy is None else error - enc.entropy
+        return enc.errors[env]
 
     def infer_environment(self, enc: Encoded, dreams: Dreams | None) -> Decision:
         """Eq. 6 under the rule set `inference.rules`; with S off, environment 0. The errors stay on
