@@ -46,6 +46,10 @@ NAMED_WHEN_USED = {"own_capacity_ramp": _ramped}
 # Deleted rules that acted only through a setting results.json records, and that a row names from it
 # ("balanced classifier"): in a run's set with the setting off they changed nothing.
 NAMED_BY_SETTING = ("balanced_classifier",)
+# Eq. 6's settings that results.json records as on or off, and the note a row with S takes where
+# one was on: q_psi's balanced loss (the rule balanced_classifier, since deleted) and model_error.
+INFERENCE_SETTING_LABELS = {"balanced_classifier": "balanced classifier",
+                            "error_less_entropy": "eq. 6 error less the images' entropy"}
 
 
 def rules_used(result: dict) -> list[str]:
@@ -86,10 +90,8 @@ def row_label(result: dict) -> str:
         notes.append(f"eq. 7 weights {encoder_weight:g} / {decoder_weight:g}")
     if "D" in result["ablation"] and result.get("dream_images", "mean") == "sample":
         notes.append("sampled dreams")
-    if "S" in result["ablation"] and result.get("balanced_classifier", False):
-        notes.append("balanced classifier")
-    if "S" in result["ablation"] and result.get("error_less_entropy", False):
-        notes.append("eq. 6 error less the images' entropy")
+    if "S" in result["ablation"]:
+        notes += [label for key, label in INFERENCE_SETTING_LABELS.items() if result.get(key, False)]
     in_set = "frozen_while_pending" not in result.get("rules_without", [])
     if "S" in result["ablation"] and in_set and result.get("pending_batches_train", True):
         notes.append("pending batches trained")
