@@ -81,6 +81,7 @@ def test_a_run_made_before_sync_at_allocation_existed_resumes_synced_at_its_allo
     ("train.max_grad_norm", 0.0, 10000.0),
     ("inference.classifier_on_dreams", False, True),
     ("inference.balanced_classifier", False, True),
+    ("inference.error_less_entropy", False, True),
 ])
 def test_a_run_made_with_a_removed_setting_resumes_only_where_it_changed_nothing(tmp_path, path, inert, other):
     from vase.errors import ConfigError

@@ -8,7 +8,6 @@ import torch
 from vase.config import ObjectiveConfig, build_config, load_run_config
 from vase.objective import (
     capacity,
-    image_entropy,
     kl_per_latent,
     masked_kl,
     masked_sample,
@@ -37,19 +36,6 @@ def test_reconstruction_is_bernoulli_nll_summed_over_pixels():
     # One confident pixel by hand: x = 1, logit = 2 -> -log sigmoid(2) = log(1 + e^-2)
     logits2 = torch.full((1, 1, 1, 1), 2.0)
     assert torch.allclose(reconstruction_nll(logits2, torch.ones(1, 1, 1, 1)), torch.tensor([math.log1p(math.exp(-2))]))
-
-
-def test_image_entropy_is_what_a_perfect_reconstruction_still_costs():
-    """sum_i H(x_i): ln 2 per pixel at 0.5, 0 for binary pixels, and -log p(x|z) at p = x exactly."""
-    x = torch.zeros(3, 1, 64, 64)
-    x[0, 0, :10, :10] = 0.5
-    x[1, 0, :10, :10] = 1.0
-    x[2, 0, 0, 0] = 0.25
-    h = 0.25 * math.log(4.0) + 0.75 * math.log(4 / 3)
-    assert torch.allclose(image_entropy(x), torch.tensor([100 * math.log(2.0), 0.0, h]).float())
-    x = x.double()
-    perfect = torch.logit(x.clamp(1e-15, 1 - 1e-15))  # p = x: the smallest -log p any decoder reaches
-    assert torch.allclose(reconstruction_nll(perfect, x), image_entropy(x), atol=1e-9)
 
 
 def test_capacity_schedule_is_linear_then_flat():

@@ -46,9 +46,10 @@ def dropped(saved: Any, config: dict[str, Any]) -> Any:
 
 # Rules deleted because no run we measured needed them: they changed no verdict, or the runs without
 # them kept every figure we judge by; or, classifier_on_dreams, because the run with it failed; or,
-# balanced_classifier, because the default set could not have it on (docs/method.md, rules beyond eq. 6).
+# balanced_classifier and model_error, because the default set could not have them on (docs/method.md,
+# rules beyond eq. 6).
 DELETED_RULES = ("current_first", "foreign_latents", "ranked_fallback", "resettling", "probation",
-                 "own_capacity_ramp", "classifier_on_dreams", "balanced_classifier")
+                 "own_capacity_ramp", "classifier_on_dreams", "balanced_classifier", "model_error")
 
 
 def without_deleted_rules(saved: Any, config: dict[str, Any]) -> Any:
@@ -96,6 +97,8 @@ MIGRATIONS: dict[str, Migration] = {
     "inference.classifier_on_dreams": removed("inference.classifier_on_dreams", False),
     # Off by default, so deleted (docs/method.md, "q_psi's prior").
     "inference.balanced_classifier": removed("inference.balanced_classifier", False),
+    # Refused a returning environment, so deleted (docs/method.md, "Eq. 6's error less the images' entropy").
+    "inference.error_less_entropy": removed("inference.error_less_entropy", False),
     # Held out by frozen_while_pending (docs/method.md, "The pending batches at an arrival").
     "inference.pending_batches_train": removed("inference.pending_batches_train", False, acted=holds_pending_batches),
     "inference.relied_kl": dropped,  # foreign_latents

@@ -132,10 +132,6 @@ class InferenceConfig:
     # information: KL minus atypicality, an estimate of I(x; z_n) [ours].
     used_kl: float = 0.1
     classifier_lr: float = 1e-3
-    # Eq. 6's reconstruction error and L_s read less the images' own entropy, sum_i H(x_i) [ours,
-    # the rule `model_error`]: on grey images (Fashion 190 nats, digits 46) -log p(x|z) is mostly
-    # the data's entropy, so kappa * L_s of a dear environment lets a cheaper one through.
-    error_less_entropy: bool = False
     # A study instrument [ours]: on every judged batch, also decide it as the set would without each
     # rule that acts on the verdict alone (`vase.rules.VERDICT_RULES`), and count the batches where
     # that decision differs (results.json, "rule_activity"). A rule that never changes a verdict

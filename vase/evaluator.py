@@ -308,7 +308,6 @@ class Evaluator(Callback):
             "dream_weights": [cfg.dream.encoder_weight, cfg.dream.decoder_weight],
             "dream_images": cfg.dream.images,
             "pending_batches_train": "frozen_while_pending" not in rule_names,
-            "error_less_entropy": rules.as_configured(cfg).inference.error_less_entropy,
             "mode": cfg.objective.mode,
             "preset": cfg.preset,
             "sequence": cfg.data.sequence,

@@ -28,7 +28,6 @@ from vase.masking import atypicality
 from vase.networks import VAE, EnvironmentClassifier, Posterior
 from vase.objective import (
     capacity,
-    image_entropy,
     kl_per_latent,
     masked_kl,
     masked_sample,
@@ -57,7 +56,6 @@ class Encoded:
     noise: torch.Tensor  # the reparameterisation's eps (eq. 2)
     class_logits: torch.Tensor | None  # q_psi on [x; x'], with S
     probs: torch.Tensor | None  # q_psi(s|x) averaged over the real batch, with S
-    entropy: torch.Tensor | None = None  # the batch's mean sum_i H(x_i), under the rule `model_error`
     decoded: dict = field(default_factory=dict)  # env -> (batch logits, dream logits, NLL per image)
     errors: dict = field(default_factory=dict)  # env -> the batch's error as eq. 6 and L_s read it
 
@@ -184,8 +182,7 @@ class Learner:
             usage = self.inference.reading(kl, alpha)  # latent use as the rule set reads it
         noise = torch.randn(real.mu.shape, generator=self.generator, device=self.device)
         logits, probs = self.inference.classify(posterior.hidden, batch)
-        entropy = image_entropy(x).mean() if self.inference.cfg.error_less_entropy else None
-        return Encoded(x, posterior, real, alpha, kl, usage, noise, logits, probs, entropy)
+        return Encoded(x, posterior, real, alpha, kl, usage, noise, logits, probs)
 
     def reconstruct(self, enc: Encoded, env: int, dreams: Dreams | None):
         """(batch logits, dream logits, -log p(x|z^env, env) per image), decoded once per env."""
@@ -196,11 +193,9 @@ class Learner:
 
     def eq6_error(self, enc: Encoded, env: int, dreams: Dreams | None) -> torch.Tensor:
         """The batch's mean reconstruction error under env as eq. 6 and L_s read it, a 0-d tensor:
-        -log p(x|z^env, env), less the images' own entropy under the rule `model_error`; once per env,
-        for eq. 6 and the bookkeeping alike."""
+        -log p(x|z^env, env); once per env, for eq. 6 and the bookkeeping alike."""
         if env not in enc.errors:
-            error = self.reconstruct(enc, env, dreams)[2].detach().mean()
-            enc.errors[env] = error if enc.entropy is None else error - enc.entropy
+            enc.errors[env] = self.reconstruct(enc, env, dreams)[2].detach().mean()
         return enc.errors[env]
 
     def infer_environment(self, enc: Encoded, dreams: Dreams | None) -> Decision:

@@ -15,12 +15,6 @@ def reconstruction_nll(logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return F.binary_cross_entropy_with_logits(logits, x, reduction="none").flatten(1).sum(1)
 
 
-def image_entropy(x: torch.Tensor) -> torch.Tensor:
-    """sum_i H(x_i) per example (B,), in nats: the part of `reconstruction_nll` no model removes,
-    since a grey pixel x_i costs at least its own Bernoulli entropy (0 for binary images)."""
-    return (torch.special.entr(x) + torch.special.entr(1 - x)).flatten(1).sum(1)
-
-
 def kl_per_latent(mu: torch.Tensor, logvar: torch.Tensor) -> torch.Tensor:
     """KL(N(mu, sigma^2) || N(0, 1)) per example and latent, in nats: (B, N)."""
     return 0.5 * (mu.pow(2) + logvar.exp() - 1.0 - logvar)

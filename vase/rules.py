@@ -213,20 +213,6 @@ class LearntLatentsOnly(Rule):
         return inf.slots[env].learnt.clone()
 
 
-class ModelError(Rule):
-    """Eq. 6's reconstruction error and L_s are read less the images' own entropy, sum_i H(x_i)
-    (`vase.objective.image_entropy`), the part of a Bernoulli -log p(x|z) that no model removes;
-    equal for binary images. Fixes: moving Fashion's L_0 is 264-273 nats of which 190 are its
-    images' entropy, so kappa * L_0 admitted moving MNIST (272-400 nats, 46 of them entropy) into
-    moving Fashion's slot in the seeds where it merged (docs/method.md, "Why moving MNIST joined
-    moving Fashion's slot"). Setting: `inference.error_less_entropy`."""
-
-    name = "model_error"
-    settings = ("inference.error_less_entropy",)
-    as_printed = {"inference.error_less_entropy": False}
-    with_s = True
-
-
 # -- the objective's addition to eq. 3 (read by `vase.objective`) -------------------------------------------
 class FreshLatentPenalty(Rule):
     """In a new environment, gamma times the atypicality of its fresh latents (unmasked, used by no
@@ -242,7 +228,7 @@ class FreshLatentPenalty(Rule):
 RULES: dict[str, type[Rule]] = {rule.name: rule for rule in (
     Debouncing, FrozenWhilePending, Hysteresis, SmoothedAtypicality,
     Settling, Information, ErrorMargin, SettledMasks,
-    OthersLatentsOnly, LearntLatentsOnly, ModelError, FreshLatentPenalty,
+    OthersLatentsOnly, LearntLatentsOnly, FreshLatentPenalty,
 )}
 RULE_SETS: dict[str, tuple[str, ...]] = {
     "vase": tuple(RULES),

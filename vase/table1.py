@@ -45,9 +45,10 @@ def _ramped(result: dict) -> bool:
 NAMED_WHEN_USED = {"own_capacity_ramp": _ramped}
 # Deleted rules that acted only through a setting results.json records, and that a row names from it
 # ("balanced classifier"): in a run's set with the setting off they changed nothing.
-NAMED_BY_SETTING = ("balanced_classifier",)
-# Eq. 6's settings that results.json records as on or off, and the note a row with S takes where
-# one was on: q_psi's balanced loss (the rule balanced_classifier, since deleted) and model_error.
+NAMED_BY_SETTING = ("balanced_classifier", "model_error")
+# Eq. 6's settings that an older results.json records as on or off, and the note a row with S takes
+# where one was on: q_psi's balanced loss (the rule balanced_classifier) and eq. 6's error less the
+# images' entropy (the rule model_error), both since deleted.
 INFERENCE_SETTING_LABELS = {"balanced_classifier": "balanced classifier",
                             "error_less_entropy": "eq. 6 error less the images' entropy"}
 
@@ -69,8 +70,8 @@ def row_label(result: dict) -> str:
     has that the run used (`rules_used`; a run left without it is named as today's set), eq. 7's
     weights where they are not 1 (`dream.encoder_weight`, `dream.decoder_weight`), dreams drawn
     from the snapshot's Bernoulli pixels (`dream.images`), q_psi trained with the rule
-    `balanced_classifier`, since deleted (results.json's `balanced_classifier`), eq. 6's error read less the images'
-    entropy (the rule `model_error`, `inference.error_less_entropy`), and pending
+    `balanced_classifier` or eq. 6's error read less the images' entropy (the rule `model_error`),
+    both since deleted (`INFERENCE_SETTING_LABELS`), and pending
     batches that trained although frozen_while_pending was in the set (results.json's
     `pending_batches_train`; a results.json without it is such a run)."""
     rules = result.get("rules", "vase")
