@@ -43,14 +43,11 @@ def _ramped(result: dict) -> bool:
 # `rule_names`, shows: a row names them where a run used them, and a run left without one is
 # today's set.
 NAMED_WHEN_USED = {"own_capacity_ramp": _ramped}
-# Deleted rules that acted only through a setting results.json records, and that a row names from it
-# ("balanced classifier"): in a run's set with the setting off they changed nothing.
-NAMED_BY_SETTING = ("balanced_classifier", "model_error")
-# Eq. 6's settings that an older results.json records as on or off, and the note a row with S takes
-# where one was on: q_psi's balanced loss (the rule balanced_classifier) and eq. 6's error less the
-# images' entropy (the rule model_error), both since deleted.
-INFERENCE_SETTING_LABELS = {"balanced_classifier": "balanced classifier",
-                            "error_less_entropy": "eq. 6 error less the images' entropy"}
+# Deleted rules that acted only through a setting an older results.json records as on or off: rule
+# -> (that field, the note a row with S takes where it was on). In a run's set with the setting off
+# they changed nothing, so the row is not named "with" them.
+NAMED_BY_SETTING = {"balanced_classifier": ("balanced_classifier", "balanced classifier"),
+                    "model_error": ("error_less_entropy", "eq. 6 error less the images' entropy")}
 
 
 def rules_used(result: dict) -> list[str]:
@@ -71,7 +68,7 @@ def row_label(result: dict) -> str:
     weights where they are not 1 (`dream.encoder_weight`, `dream.decoder_weight`), dreams drawn
     from the snapshot's Bernoulli pixels (`dream.images`), q_psi trained with the rule
     `balanced_classifier` or eq. 6's error read less the images' entropy (the rule `model_error`),
-    both since deleted (`INFERENCE_SETTING_LABELS`), and pending
+    both since deleted (`NAMED_BY_SETTING`), and pending
     batches that trained although frozen_while_pending was in the set (results.json's
     `pending_batches_train`; a results.json without it is such a run)."""
     rules = result.get("rules", "vase")
@@ -92,7 +89,7 @@ def row_label(result: dict) -> str:
     if "D" in result["ablation"] and result.get("dream_images", "mean") == "sample":
         notes.append("sampled dreams")
     if "S" in result["ablation"]:
-        notes += [label for key, label in INFERENCE_SETTING_LABELS.items() if result.get(key, False)]
+        notes += [label for key, label in NAMED_BY_SETTING.values() if result.get(key, False)]
     in_set = "frozen_while_pending" not in result.get("rules_without", [])
     if "S" in result["ablation"] and in_set and result.get("pending_batches_train", True):
         notes.append("pending batches trained")
