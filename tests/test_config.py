@@ -74,6 +74,16 @@ def test_a_run_made_before_sync_at_allocation_existed_resumes_synced_at_its_allo
     assert load_run_config(tmp_path).dream.sync_at_allocation is True
 
 
+def test_a_run_made_at_eq8s_dream_weights_reads_them_back(tmp_path):
+    """A config.json without dream.encoder_weight was trained with eq. 7's encoder term at 1, as eq. 8
+    prints it, while a new run's default is 10 (docs/method.md, "Eq. 7's weights")."""
+    saved = json.loads(build_config("cpu").to_json())
+    assert saved["dream"]["encoder_weight"] == 10.0
+    del saved["dream"]["encoder_weight"]
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert load_run_config(tmp_path).dream.encoder_weight == 1.0
+
+
 @pytest.mark.parametrize("path, inert, other", [
     ("objective.aggregate_weight", 0.0, 0.5),
     ("inference.probation_relies_on_past_usage", False, True),

@@ -283,7 +283,7 @@ class FakeTraining:
                       "position_change": 0.0002}
             results = {"mode": run.mode, "ablation": run.row, "sequence": SEQUENCE.split(","), "seed": run.seed,
                        "pending_batches_train": False, "sync_at_allocation": False, "rule_names": [],
-                       "environments_inferred": 2,
+                       "dream_weights": [10.0, 1.0], "environments_inferred": 2,
                        "probes": {"table1": table1},
                        "latent_use": [{"used_in_training": [0, 1], "informative": [0]}]}
             (run.run_dir / "results.json").write_text(json.dumps(results))

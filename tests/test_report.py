@@ -29,7 +29,7 @@ def _results(ablation: str, seed: int, sequence=PAPER, id_change=-0.02) -> dict:
     return {
         "mode": "disentangled", "ablation": ablation, "sequence": list(sequence), "seed": seed,
         "pending_batches_train": False, "sync_at_allocation": False, "rule_names": [], "preset": "cpu",
-        "steps_per_env": [200] * len(sequence),
+        "steps_per_env": [200] * len(sequence), "dream_weights": [10.0, 1.0],
         "environments_inferred": 2, "environments_true": len(set(sequence)),
         "inferred_vs_true": [{"true_env": name, "inferred_env": min(i, 1)} for i, name in enumerate(sequence)],
         # [j][i]: environment i after stage j, under the classifier's pick.
@@ -111,17 +111,17 @@ def test_runs_of_another_capacity_ramp_are_another_table():
 
 def test_runs_of_another_capacity_max_are_another_table():
     """Same ramp, another C_max: two experiments, each table naming its C_max; a results.json that
-    does not name C_max is one of its own, and its table names none."""
+    does not name C_max predates the field and ran at the default 25 nats, so it joins that table."""
     runs = [dict(_results("SDA", 0), capacity_ramp_steps=7200, capacity_max=25.0),
             dict(_results("SDA", 1), capacity_ramp_steps=7200, capacity_max=25.0),
             dict(_results("SDA", 0), capacity_ramp_steps=7200, capacity_max=50.0),
             dict(_results("SDA", 2), capacity_ramp_steps=7200)]
     rows = table1_rows(runs)
-    assert sorted((row["capacity_max"] or 0, tuple(row["seeds"])) for row in rows) == [
-        (0, (2,)), (25.0, (0, 1)), (50.0, (0,))]
+    assert sorted((row["capacity_max"], tuple(row["seeds"])) for row in rows) == [
+        (25.0, (0, 1, 2)), (50.0, (0,))]
     text = table1_markdown(rows)
     assert "C_max 25 nats" in text and "C_max 50 nats" in text
-    assert text.count("C_max") == 2 and text.count("capacity ramp 7200") == 3
+    assert text.count("C_max") == 2 and text.count("capacity ramp 7200") == 2
 
 
 def test_results_page_links_the_runs_and_the_readme_block_is_replaced(tmp_path):

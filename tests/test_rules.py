@@ -250,7 +250,7 @@ def test_table1_names_the_deleted_own_capacity_ramp_where_an_older_run_used_it()
     row says so where the rule acted (S on, the capacity objective, the vase set, not left out), and a
     run left without it is today's set."""
     older = {"ablation": "SDA", "rules": "vase", "capacity_form": "squared", "pending_batches_train": False,
-             "sync_at_allocation": False, "rules_without": []}
+             "sync_at_allocation": False, "rules_without": [], "dream_weights": [10.0, 1.0]}
     assert row_label(older) == "SDA (with own_capacity_ramp)"
     assert row_label({**older, "rules_without": ["own_capacity_ramp"]}) == "SDA"
     assert row_label({**older, "rules_without": ["own_capacity_ramp", "settling"]}) == "SDA (without settling)"
@@ -269,7 +269,7 @@ def test_without_refuses_a_rule_the_set_does_not_have():
 
 def test_table1_names_the_rules_a_run_left_out():
     today = {"ablation": "SDA", "rules": "vase", "capacity_form": "squared", "pending_batches_train": False,
-             "sync_at_allocation": False, "rule_names": list(RULE_SETS["vase"])}
+             "sync_at_allocation": False, "rule_names": list(RULE_SETS["vase"]), "dream_weights": [10.0, 1.0]}
     assert row_label({**today, "rules_without": ["settling"]}) == "SDA (without settling)"
     assert row_label(today) == "SDA"
     # Eq. 7's dreams drawn from the snapshot's pixels are named where D is on.
@@ -290,16 +290,22 @@ def test_table1_names_the_rules_a_run_left_out():
     assert row_label({**older, "error_less_entropy": True}) == "SDA (eq. 6 error less the images' entropy)"
     assert row_label({**older, "error_less_entropy": False}) == "SDA"
     assert row_label({**older, "ablation": "-", "error_less_entropy": True}) == "-"
-    trained = {"ablation": "SDA", "pending_batches_train": True, "sync_at_allocation": False, "rule_names": []}
+    trained = {"ablation": "SDA", "pending_batches_train": True, "sync_at_allocation": False, "rule_names": [],
+               "dream_weights": [10.0, 1.0]}
     assert row_label(trained) == "SDA (pending batches trained)"
     assert row_label({"ablation": "SDA"}) == (  # a results.json without the fields
-        "SDA (with own_capacity_ramp, snapshot also synced at allocations, pending batches trained)")
+        "SDA (with own_capacity_ramp, snapshot also synced at allocations, eq. 7 weights 1 / 1, "
+        "pending batches trained)")
     assert row_label({**trained, "ablation": "DA"}) == "DA"  # without S nothing is pending
     assert row_label({**trained, "rules_without": ["frozen_while_pending"]}) == "SDA (without frozen_while_pending)"
-    heavier = {**today, "dream_weights": [1.0, 10.0]}
-    assert row_label(heavier) == "SDA (eq. 7 weights 1 / 10)"
+    # Eq. 7's weights are named where they are not the defaults (encoder 10, decoder 1), and a
+    # results.json without them was trained at eq. 8's 1 and 1.
+    heavier = {**today, "dream_weights": [10.0, 10.0]}
+    assert row_label(heavier) == "SDA (eq. 7 weights 10 / 10)"
     assert row_label({**heavier, "ablation": "SA"}) == "SA"  # without D there is no eq. 7
-    assert row_label({**heavier, "dream_weights": [1.0, 1.0]}) == "SDA"
+    assert row_label({**heavier, "dream_weights": [1.0, 1.0]}) == "SDA (eq. 7 weights 1 / 1)"
+    assert row_label({key: value for key, value in today.items() if key != "dream_weights"}) == (
+        "SDA (eq. 7 weights 1 / 1)")
 
 
 # -- inference.counterfactuals: which rules changed a verdict -------------------------------------------

@@ -86,6 +86,7 @@ MIGRATIONS: dict[str, Migration] = {
     "objective.fresh_aggregate_weight": added(0.0),  # no fresh-latent penalty
     "objective.capacity_form": added("absolute"),  # the CCI-VAE's |KL - C|
     "dream.sync_at_allocation": added(True),  # the snapshot was re-synced at every allocation
+    "dream.encoder_weight": added(1.0),  # eq. 7's encoder term as eq. 8 prints it
     # Rules pruned for want of a failure they fix (docs/method.md, rules beyond eq. 6).
     "objective.aggregate_weight": removed("objective.aggregate_weight", 0.0),
     "inference.probation_relies_on_past_usage": removed("inference.probation_relies_on_past_usage", False),

@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 from vase.config_migrations import ramp_acted
+from vase.config_sections import DreamConfig, ObjectiveConfig
 from vase.rules import RULES
 from vase.summary import latent_union
 
@@ -50,6 +51,16 @@ NAMED_BY_SETTING = {"balanced_classifier": ("balanced_classifier", "balanced cla
                     "model_error": ("error_less_entropy", "eq. 6 error less the images' entropy")}
 
 
+DEFAULT_DREAM_WEIGHTS = (DreamConfig.encoder_weight, DreamConfig.decoder_weight)
+
+
+def recorded_capacity_max(result: dict) -> float:
+    """The run's C_max. A results.json written before it recorded C_max reads as the default, 25 nats:
+    the setting's default since it was added, and every committed study of that time ran at it (their
+    commands are in docs/method.md; the one other C_max, the study at 50, records it)."""
+    return result.get("capacity_max", ObjectiveConfig.capacity_max)
+
+
 def rules_used(result: dict) -> list[str]:
     """The rules of a run's set, less those it left out: results.json's `rule_names`, or for an
     older results.json the deleted rules of `NAMED_WHEN_USED` it used."""
@@ -65,7 +76,7 @@ def row_label(result: dict) -> str:
     re-syncs within the run (`dream.snapshot_every`), a snapshot also re-synced at allocations
     (`dream.sync_at_allocation`; a results.json without it is such a run), a rule vase no longer
     has that the run used (`rules_used`; a run left without it is named as today's set), eq. 7's
-    weights where they are not 1 (`dream.encoder_weight`, `dream.decoder_weight`), dreams drawn
+    weights where they are not the defaults (`dream.encoder_weight`, `dream.decoder_weight`), dreams drawn
     from the snapshot's Bernoulli pixels (`dream.images`), q_psi trained with the rule
     `balanced_classifier` or eq. 6's error read less the images' entropy (the rule `model_error`),
     both since deleted (`NAMED_BY_SETTING`), and pending
@@ -83,8 +94,8 @@ def row_label(result: dict) -> str:
             notes.append("snapshot synced at allocations only" if at_allocations else "snapshot never re-synced")
         elif at_allocations:
             notes.append("snapshot also synced at allocations")
-    encoder_weight, decoder_weight = result.get("dream_weights", (1.0, 1.0))
-    if "D" in result["ablation"] and (encoder_weight, decoder_weight) != (1.0, 1.0):
+    encoder_weight, decoder_weight = result.get("dream_weights", (1.0, 1.0))  # older runs: eq. 8's 1 and 1
+    if "D" in result["ablation"] and (encoder_weight, decoder_weight) != DEFAULT_DREAM_WEIGHTS:
         notes.append(f"eq. 7 weights {encoder_weight:g} / {decoder_weight:g}")
     if "D" in result["ablation"] and result.get("dream_images", "mean") == "sample":
         notes.append("sampled dreams")
@@ -101,13 +112,13 @@ def table1_rows(results: list[dict]) -> list[dict]:
     capacity ramp and C_max), the four numbers as mean and std over that group's seeds
     (docs/probes.md), and the latent-use counts per seed. Runs of another length, capacity schedule or
     network are another experiment, so they never share a row (a results.json that does not name its
-    ramp or C_max is one of its own)."""
+    ramp is one of its own; for C_max see `recorded_capacity_max`)."""
     from vase.metrics.continual import mean_std_over_seeds
 
     groups: dict[tuple, list[dict]] = {}
     for r in results:
         key = (r["mode"], row_label(r), ",".join(r["sequence"]), r.get("preset"), str(r.get("steps_per_env")),
-               probe_reading(r), r.get("capacity_ramp_steps"), r.get("capacity_max"))
+               probe_reading(r), r.get("capacity_ramp_steps"), recorded_capacity_max(r))
         groups.setdefault(key, []).append(r)
     rows = []
     for (mode, ablation, sequence, _, _, reading, ramp, capacity_max), runs in groups.items():
