@@ -18,6 +18,12 @@ MISSING = object()  # the setting is not in the config.json at all
 
 Migration = Callable[[Any, dict[str, Any]], Any]  # (saved value, saved config) -> value, or MISSING
 
+# Eq. 7's (encoder, decoder) weights as eq. 8 prints them, unweighted: what a run made before the
+# encoder weight's default became 10 trained with (docs/method.md, "Eq. 7's encoder weight: 10").
+EQ8_DREAM_WEIGHTS = (1.0, 1.0)
+# C_max of every run made before results.json recorded it: the setting's default then, 25 nats.
+C_MAX_BEFORE_RECORDED = 25.0
+
 
 def added(value: Any) -> Migration:
     """A setting added after runs were made: a config.json without it gets `value`."""
@@ -86,7 +92,7 @@ MIGRATIONS: dict[str, Migration] = {
     "objective.fresh_aggregate_weight": added(0.0),  # no fresh-latent penalty
     "objective.capacity_form": added("absolute"),  # the CCI-VAE's |KL - C|
     "dream.sync_at_allocation": added(True),  # the snapshot was re-synced at every allocation
-    "dream.encoder_weight": added(1.0),  # eq. 7's encoder term as eq. 8 prints it
+    "dream.encoder_weight": added(EQ8_DREAM_WEIGHTS[0]),
     # Rules pruned for want of a failure they fix (docs/method.md, rules beyond eq. 6).
     "objective.aggregate_weight": removed("objective.aggregate_weight", 0.0),
     "inference.probation_relies_on_past_usage": removed("inference.probation_relies_on_past_usage", False),

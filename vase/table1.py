@@ -8,8 +8,8 @@ import json
 import math
 from pathlib import Path
 
-from vase.config_migrations import ramp_acted
-from vase.config_sections import DreamConfig, ObjectiveConfig
+from vase.config_migrations import C_MAX_BEFORE_RECORDED, EQ8_DREAM_WEIGHTS, ramp_acted
+from vase.config_sections import DreamConfig
 from vase.rules import RULES
 from vase.summary import latent_union
 
@@ -55,10 +55,10 @@ DEFAULT_DREAM_WEIGHTS = (DreamConfig.encoder_weight, DreamConfig.decoder_weight)
 
 
 def recorded_capacity_max(result: dict) -> float:
-    """The run's C_max. A results.json written before it recorded C_max reads as the default, 25 nats:
+    """The run's C_max. A results.json written before it recorded C_max reads as 25 nats:
     the setting's default since it was added, and every committed study of that time ran at it (their
     commands are in docs/method.md; the one other C_max, the study at 50, records it)."""
-    return result.get("capacity_max", ObjectiveConfig.capacity_max)
+    return result.get("capacity_max", C_MAX_BEFORE_RECORDED)
 
 
 def rules_used(result: dict) -> list[str]:
@@ -94,7 +94,7 @@ def row_label(result: dict) -> str:
             notes.append("snapshot synced at allocations only" if at_allocations else "snapshot never re-synced")
         elif at_allocations:
             notes.append("snapshot also synced at allocations")
-    encoder_weight, decoder_weight = result.get("dream_weights", (1.0, 1.0))  # older runs: eq. 8's 1 and 1
+    encoder_weight, decoder_weight = result.get("dream_weights", EQ8_DREAM_WEIGHTS)
     if "D" in result["ablation"] and (encoder_weight, decoder_weight) != DEFAULT_DREAM_WEIGHTS:
         notes.append(f"eq. 7 weights {encoder_weight:g} / {decoder_weight:g}")
     if "D" in result["ablation"] and result.get("dream_images", "mean") == "sample":
