@@ -209,6 +209,9 @@ _FLAG_NAMES = {"overrides": "set", "branch_dir": "branch", "branch_step": "at"}
               help="Instead: at the newest checkpoint, q_psi's mean q(s|x) on each environment's held-out "
                    "images and on dreams of each slot, the slot it names for each batch, and eq. 6's tests of "
                    "each batch against every slot (docs/method.md).")
+@click.option("--also", callback=_check_sequence, default=None, metavar="ENVS",
+              help="With --classifier: also read these environments, which need not be in the run's sequence, "
+                   "e.g. fashion,mnist: what q_psi keys on (`vase data list` names them).")
 @click.option("--step", type=int, default=None,
               help="With --classifier or --own-slot: read the checkpoint of this step instead, one a run "
                    "keeps (its two newest and one at each stage end).")
@@ -216,7 +219,7 @@ _FLAG_NAMES = {"overrides": "set", "branch_dir": "branch", "branch_step": "at"}
               help="The code the probes read: mean, mu(x) of every latent; or sample, the paper's reading, "
                    "the masked posterior under the slot q_psi picks (docs/probes.md). Default: the run's own.")
 @_device_option()
-def evaluate(run_dir, as_json, steps, batches, own_slot, by_latent, classifier, step, reading, device):
+def evaluate(run_dir, as_json, steps, batches, own_slot, by_latent, classifier, also, step, reading, device):
     """Recompute probes and metrics from a run's checkpoints and print them."""
     from vase.evaluation import evaluate_run, own_slot_errors_by_encoder, own_slot_text
     from vase.summary import summary_text
@@ -231,8 +234,10 @@ def evaluate(run_dir, as_json, steps, batches, own_slot, by_latent, classifier, 
         if step is not None and not (classifier or own_slot is not None):
             raise VaseError("--step goes with --classifier or --own-slot: the other readings take the newest "
                             "checkpoint")
+        if also is not None and not classifier:
+            raise VaseError("--also goes with --classifier: it adds environments to q_psi's reading")
         if classifier:
-            return _slot_picks(Path(run_dir), step, as_json, _resolve_device(device))
+            return _slot_picks(Path(run_dir), step, tuple(comma_list(also or "")), as_json, _resolve_device(device))
         if steps is not None:
             return _typicality(Path(run_dir), steps, batches, as_json, _resolve_device(device))
         if own_slot is not None and by_latent:
@@ -259,14 +264,15 @@ def _steps(option: str, text: str) -> list[int]:
             from None
 
 
-def _slot_picks(run_dir: Path, step: int | None, as_json: bool, device) -> None:
+def _slot_picks(run_dir: Path, step: int | None, also: tuple[str, ...], as_json: bool, device) -> None:
     from vase.inspection import open_run
-    from vase.slot_picks import slot_picks, slot_picks_text, slot_tests, slot_tests_text
+    from vase.slot_picks import held_out_sources, slot_picks, slot_picks_text, slot_tests, slot_tests_text
 
     if not load_run_config(run_dir, trains=False).inference.enabled:
         raise VaseError(f"{run_dir} was trained with S off: one slot, and no q_psi to read")
     evaluator = open_run(run_dir, step, device=device)
-    picks, tests = slot_picks(evaluator), slot_tests(evaluator)
+    sources = held_out_sources(evaluator, also)
+    picks, tests = slot_picks(evaluator, sources), slot_tests(evaluator, sources)
     learner = evaluator.learner
     if as_json:
         return click.echo(json.dumps({"step": learner.step, "current": learner.inference.current,

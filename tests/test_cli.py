@@ -269,6 +269,16 @@ def test_eval_classifier_reads_q_psi_on_each_environment_and_on_each_slots_dream
         assert sorted(tests["named"]) == sorted(int(s) for s, k in picks["named"].items() for _ in range(k))
     text = invoke(["eval", str(run), "--classifier"])
     assert text.exit_code == 0 and "dreams of slot 0" in text.stdout and "batches named" in text.stdout
+    # An environment outside the sequence is read after the run's own, in both readings, and the
+    # run's own rows are unchanged by it.
+    also = invoke(["eval", str(run), "--classifier", "--also", "shapes_a", "--json"])
+    assert also.exit_code == 0, also.output
+    with_also = json.loads(also.stdout)
+    sources = [r["source"] for r in with_also["picks"]]
+    assert sources == [*results["sequence"], "shapes_a", *(f"dreams of slot {s}" for s in range(slots))]
+    assert [t["environment"] for t in with_also["tests"]] == [*results["sequence"], "shapes_a"]
+    assert [r for r in with_also["picks"] if r["source"] != "shapes_a"] == rows
+    assert sum(with_also["picks"][len(results["sequence"])]["named"].values()) >= 1
     assert "eq. 6 takes" in text.stdout
     # The first stage's end is kept: read as it stood then, one slot.
     first = invoke(["eval", str(run), "--classifier", "--step", str(results["steps_per_env"][0]), "--json"])
@@ -278,6 +288,14 @@ def test_eval_classifier_reads_q_psi_on_each_environment_and_on_each_slots_dream
     assert refused.exit_code != 0 and "give one at a time" in refused.output
     alone = CliRunner().invoke(main, ["eval", str(run), "--step", "10"])
     assert alone.exit_code != 0 and "--step goes with --classifier or --own-slot" in alone.output
+
+
+def test_eval_also_names_known_environments_and_goes_with_classifier_only(tmp_path):
+    (tmp_path / "config.json").write_text(build_config("cpu").to_json())
+    unknown = CliRunner().invoke(main, ["eval", str(tmp_path), "--classifier", "--also", "fashion,svhn"])
+    fails_in_one_line(unknown, "--also", "svhn", "known: ")
+    alone = CliRunner().invoke(main, ["eval", str(tmp_path), "--also", "fashion"])
+    fails_in_one_line(alone, "--also goes with --classifier")
 
 
 def test_eval_classifier_refuses_a_run_trained_with_s_off_from_its_config_alone(tmp_path):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_learner import learner, squares
 
-from vase.slot_picks import SlotPicks, picks_of, slot_picks_text, slot_tests, slot_tests_text
+from vase.slot_picks import SlotPicks, picks_of, slot_picks, slot_picks_text, slot_tests, slot_tests_text
 
 
 def test_mean_q_and_the_slot_named_for_each_whole_batch():
@@ -80,3 +80,17 @@ def test_eq6s_mask_test_against_every_slot_on_hand_set_masks():
     assert row.failed_mask == [0, 3] and row.failed_reconstruction == [0, 0]
     assert row.passed() == [3, 0] and row.taken() == {"new": 3}
     assert "slot 1" in slot_tests_text([row]) and "0/3 r0 m3" in slot_tests_text([row])
+
+
+def test_each_source_is_read_under_its_own_name_in_both_readings():
+    # Two sources of the same images, one of them reversed: the same batches in another order give
+    # the same counts, and each row carries its source's name (as `--also` adds environments).
+    lrn, evaluator = _two_slots("SD", named=1)
+    x = evaluator.held_out[0]
+    sources = [("squares", x), ("outside", x.flip(0))]
+    picks = slot_picks(evaluator, sources, dreams_per_slot=16)
+    assert [row.source for row in picks] == ["squares", "outside", "dreams of slot 0", "dreams of slot 1"]
+    assert picks[0].named == picks[1].named == {1: 3}
+    tests = slot_tests(evaluator, sources)
+    assert [row.environment for row in tests] == ["squares", "outside"]
+    assert tests[0].named == tests[1].named == [1, 1, 1]

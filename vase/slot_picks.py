@@ -6,7 +6,10 @@ only if q_psi names its slot. q_psi learns from real images of the current slot 
 the past ones: this reading shows what it learnt, on each environment's held-out images and on
 dreams of each slot drawn from the snapshot as eq. 7 draws them (docs/method.md, "q_psi's prior").
 Beside it, eq. 6's two tests of each held-out batch against every slot, not only the one q_psi
-names: whether a wrong verdict came from q_psi's pick or from the tests themselves.
+names: whether a wrong verdict came from q_psi's pick or from the tests themselves. Environments
+outside the run's sequence can be read too (`--also`): what q_psi keys on, e.g. whether static
+Fashion goes to the slot of the moving Fashion it resembles or of the static digits it shares no
+object with.
 """
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch.nn import functional as F
 
+from vase.data.environments import load_environment
+from vase.evaluation import held_out_images
 from vase.evidence import Evidence
 from vase.inference import most_likely_slot
 from vase.rules import MASK, RECONSTRUCTION
@@ -42,16 +47,29 @@ def picks_of(classifier: torch.nn.Module, hidden: torch.Tensor, n_envs: int, bat
     return SlotPicks(source, [round(float(q), 4) for q in mean_q], dict(sorted(named.items())))
 
 
+def held_out_sources(evaluator, also: tuple[str, ...] = ()) -> list[tuple[str, torch.Tensor]]:
+    """(name, held-out images) of each environment of the run's sequence, then of each environment
+    named in `also`, loaded from the test split with the run's data settings."""
+    sources = [(env.name, x) for env, x in zip(evaluator.test_envs, evaluator.held_out)]
+    device = evaluator.learner.device
+    for name in also:
+        env = load_environment(name, "test", evaluator.cfg.data, progress=False).to(device)
+        sources.append((name, held_out_images(env)))
+    return sources
+
+
 @torch.no_grad()
-def slot_picks(evaluator, dreams_per_slot: int = 512, seed: int = 0) -> list[SlotPicks]:
-    """For the learner of `evaluator` (a run opened at a checkpoint): q_psi on each environment's
-    held-out images, then on `dreams_per_slot` dreams of each allocated slot, z ~ N(0, I) decoded by
-    the snapshot (a generator seeded with `seed`, so the reading repeats)."""
+def slot_picks(evaluator, sources: list[tuple[str, torch.Tensor]] | None = None, dreams_per_slot: int = 512,
+               seed: int = 0) -> list[SlotPicks]:
+    """For the learner of `evaluator` (a run opened at a checkpoint): q_psi on the held-out images of
+    each of `sources` (default: the run's environments), then on `dreams_per_slot` dreams of each
+    allocated slot, z ~ N(0, I) decoded by the snapshot (a generator seeded with `seed`, so the
+    reading repeats)."""
     learner = evaluator.learner
     n_envs, batch = learner.inference.n_envs, learner.cfg.train.batch_size
     encoder, classifier = learner.model.encoder.eval(), learner.classifier.eval()
-    rows = [picks_of(classifier, encoder(x).hidden, n_envs, batch, env.name)
-            for env, x in zip(evaluator.test_envs, evaluator.held_out)]
+    rows = [picks_of(classifier, encoder(x).hidden, n_envs, batch, name)
+            for name, x in (sources or held_out_sources(evaluator))]
     generator = torch.Generator(device=learner.device).manual_seed(seed)
     for slot in range(n_envs):
         dreams = learner.snapshot.dream([slot], dreams_per_slot, learner.cfg.model.latents, generator)
@@ -97,17 +115,17 @@ class SlotTests:
 
 
 @torch.no_grad()
-def slot_tests(evaluator) -> list[SlotTests]:
-    """For the learner of `evaluator`: each environment's held-out images in batches of the training
-    batch size, each one encoded, read (eq. 4 and the rule set's latent use) and reconstructed as a
-    training step does, then tested against every allocated slot with the rule set's own tests
-    (`EnvironmentInference.failures` on `vase.evidence`). Reads the learner's state and writes none of it (the
-    reparameterisation noise comes from its generator)."""
+def slot_tests(evaluator, sources: list[tuple[str, torch.Tensor]] | None = None) -> list[SlotTests]:
+    """For the learner of `evaluator`: the held-out images of each of `sources` (default: the run's
+    environments) in batches of the training batch size, each one encoded, read (eq. 4 and the rule
+    set's latent use) and reconstructed as a training step does, then tested against every allocated
+    slot with the rule set's own tests (`EnvironmentInference.failures` on `vase.evidence`). Reads the
+    learner's state and writes none of it (the reparameterisation noise comes from its generator)."""
     learner = evaluator.learner
     inference, batch = learner.inference, learner.cfg.train.batch_size
     slots = range(inference.n_envs)
     rows = []
-    for env, x in zip(evaluator.test_envs, evaluator.held_out):
+    for name, x in (sources or held_out_sources(evaluator)):
         named, passes = [], [[] for _ in slots]
         reasons_of = [[] for _ in slots]
         errors = [[] for _ in slots]
@@ -123,7 +141,7 @@ def slot_tests(evaluator) -> list[SlotTests]:
                 reasons_of[s].append(reasons)
                 errors[s].append(tests.error)
         rows.append(SlotTests(
-            env.name, named, passes,
+            name, named, passes,
             [sum(RECONSTRUCTION in r for r in reasons_of[s]) for s in slots],
             [sum(MASK in r for r in reasons_of[s]) for s in slots],
             [round(sum(errors[s]) / len(errors[s]), 1) for s in slots],
