@@ -271,7 +271,9 @@ def test_eval_classifier_reads_q_psi_on_each_environment_and_on_each_slots_dream
     assert text.exit_code == 0 and "dreams of slot 0" in text.stdout and "batches named" in text.stdout
     # An environment outside the sequence is read after the run's own, in both readings, and the
     # run's own rows are unchanged by it.
-    also = invoke(["eval", str(run), "--classifier", "--also", "shapes_a", "--json"])
+    # Names the sequence holds, or given twice, are read once.
+    also = invoke(["eval", str(run), "--classifier", "--also", f"shapes_a,{results['sequence'][0]},shapes_a",
+                   "--json"])
     assert also.exit_code == 0, also.output
     with_also = json.loads(also.stdout)
     sources = [r["source"] for r in with_also["picks"]]

@@ -49,10 +49,12 @@ def picks_of(classifier: torch.nn.Module, hidden: torch.Tensor, n_envs: int, bat
 
 def held_out_sources(evaluator, also: tuple[str, ...] = ()) -> list[tuple[str, torch.Tensor]]:
     """(name, held-out images) of each environment of the run's sequence, then of each environment
-    named in `also`, loaded from the test split with the run's data settings."""
+    named in `also` that the sequence does not hold, loaded from the test split with the run's data
+    settings."""
     sources = [(env.name, x) for env, x in zip(evaluator.test_envs, evaluator.held_out)]
     device = evaluator.learner.device
-    for name in also:
+    known = {name for name, _ in sources}
+    for name in [name for name in dict.fromkeys(also) if name not in known]:
         env = load_environment(name, "test", evaluator.cfg.data, progress=False).to(device)
         sources.append((name, held_out_images(env)))
     return sources
