@@ -215,20 +215,34 @@ _FLAG_NAMES = {"overrides": "set", "branch_dir": "branch", "branch_step": "at"}
 @click.option("--step", type=int, default=None,
               help="With --classifier or --own-slot: read the checkpoint of this step instead, one a run "
                    "keeps (its two newest and one at each stage end).")
+@click.option("--replay", type=click.IntRange(min=0), default=None, metavar="STEP",
+              help="Instead: step the run on from its kept checkpoint of STEP, in memory, and print each "
+                   "batch's verdict, q_psi's pick, eq. 6's tests, KL against C(t) and its most atypical "
+                   "latents: the batches a run's events do not list (docs/method.md).")
+@click.option("--count", type=click.IntRange(min=1), default=20, show_default=True,
+              help="With --replay: how many steps.")
+@click.option("--latents", default=None, metavar="LIST",
+              help="With --replay: show alpha of these latents, e.g. 1,8,16 (default: each batch's 3 most "
+                   "atypical).")
 @click.option("--reading", type=click.Choice(PROBE_READINGS), default=None,
               help="The code the probes read: mean, mu(x) of every latent; or sample, the paper's reading, "
                    "the masked posterior under the slot q_psi picks (docs/probes.md). Default: the run's own.")
 @_device_option()
-def evaluate(run_dir, as_json, steps, batches, own_slot, by_latent, classifier, also, step, reading, device):
+def evaluate(run_dir, as_json, steps, batches, own_slot, by_latent, classifier, also, step, replay, count, latents,
+             reading, device):
     """Recompute probes and metrics from a run's checkpoints and print them."""
     from vase.evaluation import evaluate_run, own_slot_errors_by_encoder, own_slot_text
     from vase.summary import summary_text
 
     try:
         given = [name for name, on in (("--atypicality", steps is not None), ("--own-slot", own_slot is not None),
-                                       ("--classifier", classifier)) if on]
+                                       ("--classifier", classifier), ("--replay", replay is not None)) if on]
         if len(given) > 1:
             raise VaseError(f"{' and '.join(given)} are separate readings: give one at a time")
+        if replay is None and (latents is not None or count != 20):
+            raise VaseError("--count and --latents go with --replay STEP")
+        if replay is not None:
+            return _replay(Path(run_dir), replay, count, latents, as_json, _resolve_device(device))
         if by_latent and own_slot is None:
             raise VaseError("--by-latent goes with --own-slot STEPS: it splits that reading over the latents")
         if step is not None and not (classifier or own_slot is not None):
@@ -256,11 +270,11 @@ def evaluate(run_dir, as_json, steps, batches, own_slot, by_latent, classifier, 
     click.echo(json.dumps(results, indent=2) if as_json else summary_text(results, Path(run_dir)))
 
 
-def _steps(option: str, text: str) -> list[int]:
+def _steps(option: str, text: str, what: str = "steps", example: str = "11000,24000") -> list[int]:
     try:
         return [int(step) for step in comma_list(text)]
     except ValueError:
-        raise VaseError(f"{option} {text!r}: give steps as integers separated by commas, e.g. 11000,24000") \
+        raise VaseError(f"{option} {text!r}: give {what} as integers separated by commas, e.g. {example}") \
             from None
 
 
@@ -279,6 +293,14 @@ def _slot_picks(run_dir: Path, step: int | None, also: tuple[str, ...], as_json:
                                       "picks": [row.as_dict() for row in picks],
                                       "tests": [row.as_dict() for row in tests]}, indent=2))
     click.echo(slot_picks_text(picks, learner.step, learner.inference.current) + "\n\n" + slot_tests_text(tests))
+
+
+def _replay(run_dir: Path, step: int, count: int, latents: str | None, as_json: bool, device) -> None:
+    from vase.replay import replay, replay_text
+
+    shown = _steps("--latents", latents, "latents", "1,8,16") if latents is not None else None
+    rows = replay(run_dir, step, count, shown, device=device)
+    click.echo(json.dumps([row.as_dict() for row in rows], indent=2) if as_json else replay_text(rows))
 
 
 def _typicality(run_dir: Path, steps: str, batches: int, as_json: bool, device) -> None:
