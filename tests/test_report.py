@@ -18,7 +18,7 @@ from vase.report import (
     results_page,
     table1_markdown,
 )
-from vase.table1 import heldout_retention, load_results, table1_rows
+from vase.table1 import heldout_retention, load_results, table1_rows, table1_text
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER = ["moving_fashion", "mnist", "moving_mnist"]
@@ -192,3 +192,36 @@ def test_the_readme_block_shows_the_papers_sequence_when_there_are_runs_of_it(tm
     assert "moving_fashion → mnist → moving_mnist" in block and "shapes_b" not in block
     sprites_only = readme_block(rows[1:], [tmp_path / "a"], tmp_path / "README.md")
     assert "shapes_a → shapes_b → moving_shapes_b" in sprites_only
+
+
+def _stages(names, slots) -> list[dict]:
+    return [{"true_env": name, "inferred_env": slot} for name, slot in zip(names, slots)]
+
+
+@pytest.mark.parametrize("names, slots, right", [
+    (["a", "b", "a"], [0, 1, 0], True),  # a return re-identified
+    (["a", "b", "a"], [0, 0, 1], False),  # b merged into a's slot, a's return given a new one: 2 of 2
+    (["a", "b", "a"], [0, 1, 2], False),  # the return not re-identified
+    (["a", "b", "c"], [0, 1, 2], True),
+    (["a", "b", "c"], [0, 1, 1], False),  # c merged into b's slot
+    (["a", "b", "c"], [2, 0, 1], True),  # slot numbers themselves do not matter
+])
+def test_stages_are_in_their_own_slots_when_names_and_slots_pair_one_to_one(names, slots, right):
+    from vase.table1 import in_own_slots
+
+    assert in_own_slots({"inferred_vs_true": _stages(names, slots)}) is right
+    assert in_own_slots({}) is None  # a results.json without the record
+
+
+def test_a_right_count_with_the_stages_in_wrong_slots_is_marked():
+    recurring = ["moving_fashion", "moving_mnist", "moving_fashion"]
+    wrong = {**_results("SDA", 0, sequence=recurring), "inferred_vs_true": _stages(recurring, [0, 0, 1])}
+    right = {**_results("SDA", 1, sequence=recurring), "inferred_vs_true": _stages(recurring, [0, 1, 0])}
+    text = table1_markdown(table1_rows([wrong, right]))
+    assert "| 2* / 2 of 2 |" in text and "\\* the count of environments is right, but not every stage" in text
+    # A count that is wrong already says so: no mark, and no note where nothing is marked.
+    merged = {**_results("SDA", 0), "environments_inferred": 2,
+              "inferred_vs_true": _stages(PAPER, [0, 1, 0])}
+    text = table1_markdown(table1_rows([merged]))
+    assert "| 2 of 3 |" in text and "*" not in text.split("environments inferred (of true)")[1]
+    assert "2*/2" in table1_text(table1_rows([wrong, right]))

@@ -81,6 +81,7 @@ def table1_markdown(rows: list[dict]) -> str:
     beside them on the paper's sequence."""
     from vase.grid import PAPER_SEQUENCE
     from vase.metrics.continual import format_table1_row, table1_header
+    from vase.table1 import WRONG_SLOTS_NOTE, environment_counts
 
     out = []
     for mode, sequence, group in _groups(rows):
@@ -91,18 +92,23 @@ def table1_markdown(rows: list[dict]) -> str:
         header = ["row", "seeds"] + header[1:] + ["environments inferred (of true)", "latents used"]
         out.append(_md_row(header + (["paper: ID CHANGE (%) / POS CHANGE (1e-4)"] if paper else [])))
         out.append(_md_row(["---"] * (len(header) + paper)))
+        marked = False
         for row in group:
             single = len(row["seeds"]) == 1
             cells = [c.strip() for c in format_table1_row(row["mean"], row["ablation"],
                                                           None if single else row["std"]).split(" | ")]
             true = {t for t in row["environments_true"] if t is not None}
-            inferred = _per_seed(row["environments_inferred"]) + (f" of {true.pop()}" if len(true) == 1 else "")
+            counts = environment_counts(row)
+            marked = marked or any(c.endswith("*") for c in counts)
+            inferred = " / ".join(counts) + (f" of {true.pop()}" if len(true) == 1 else "")
             line = [cells[0], ", ".join(map(str, row["seeds"]))] + cells[1:] + [inferred,
                                                                                 _per_seed(row["latents_used"])]
             if paper:
                 change = PAPER_CHANGES.get((mode, row["ablation"]))
                 line.append("n/a" if change is None else f"{change[0]:+.1f} / {change[1]:+.1f}")
             out.append(_md_row(line))
+        if marked:
+            out += ["", "\\" + WRONG_SLOTS_NOTE]
         out.append("")
     return "\n".join(out).rstrip() + "\n"
 

@@ -107,6 +107,27 @@ def row_label(result: dict) -> str:
     return result["ablation"] + (f" ({', '.join(notes)})" if notes else "")
 
 
+WRONG_SLOTS_NOTE = "* the count of environments is right, but not every stage trained in its own environment's slot"
+
+
+def environment_counts(row: dict) -> list[str]:
+    """Each seed's count of inferred environments, marked * where the stages are not in their own slots."""
+    right = row.get("environments_in_own_slots") or [None] * len(row["environments_inferred"])
+    return ["?" if n is None else f"{n}*" if ok is False and n == true else str(n)
+            for n, ok, true in zip(row["environments_inferred"], right, row["environments_true"])]
+
+
+def in_own_slots(result: dict) -> bool | None:
+    """Whether each stage trained in a slot of its own environment: stages of one environment in one
+    slot, stages of different ones in different slots (None for a results.json without the record).
+    A count of environments can match the truth with them in the wrong slots, e.g. a new environment
+    merged into an old one's slot and a returning one given a new slot (docs/method.md)."""
+    stages = [(row["true_env"], row["inferred_env"]) for row in result.get("inferred_vs_true") or []]
+    if not stages:
+        return None
+    return all((a == b) == (s == t) for i, (a, s) in enumerate(stages) for b, t in stages[i + 1:])
+
+
 def table1_rows(results: list[dict]) -> list[dict]:
     """Table 1 from several runs: one row per (mode, ablation and rule set, sequence, preset, steps,
     capacity ramp and C_max), the four numbers as mean and std over that group's seeds
@@ -127,6 +148,7 @@ def table1_rows(results: list[dict]) -> list[dict]:
             "mode": mode, "ablation": ablation, "sequence": sequence,
             "seeds": [r["seed"] for r in runs], "mean": mean, "std": std,
             "environments_inferred": [r["environments_inferred"] for r in runs],
+            "environments_in_own_slots": [in_own_slots(r) for r in runs],
             "environments_true": [r.get("environments_true") for r in runs],
             "latents_used": [_count(latent_union(r.get("latent_use") or [], "used_in_training")) for r in runs],
             "latents_informative": [_count(latent_union(r.get("latent_use") or [], "informative")) for r in runs],
@@ -196,9 +218,9 @@ def table1_text(rows: list[dict]) -> str:
             cells = format_table1_row(row["mean"], row["ablation"], None if single else row["std"])
             used = "/".join("?" if n is None else str(n) for n in row["latents_used"])
             info = "/".join("?" if n is None else str(n) for n in row["latents_informative"])
-            envs = "/".join(str(n) for n in row["environments_inferred"])
+            envs = "/".join(environment_counts(row))
             lines.append(f"  {cells} | {','.join(map(str, row['seeds']))} | {envs} | {used} / {info}")
             if len(set(row["seeds"])) < len(row["seeds"]):
                 lines.append(f"  note: {row['ablation']} has repeated seeds; are two runs the same experiment?")
-    lines.append("mean (±std) over seeds; per-seed values are separated by '/'")
+    lines.append("mean (±std) over seeds; per-seed values are separated by '/'; " + WRONG_SLOTS_NOTE)
     return "\n".join(lines)
