@@ -225,3 +225,17 @@ def test_a_right_count_with_the_stages_in_wrong_slots_is_marked():
     text = table1_markdown(table1_rows([merged]))
     assert "| 2 of 3 |" in text and "*" not in text.split("environments inferred (of true)")[1]
     assert "2*/2" in table1_text(table1_rows([wrong, right]))
+
+
+def test_the_summary_says_whether_each_stage_trained_in_its_own_slot():
+    from vase.summary import summary_text
+
+    recurring = ["moving_fashion", "moving_mnist", "moving_fashion"]
+    results = {"ablation": "SDA", "mode": "disentangled", "preset": "cpu", "steps": 1, "wall_time_s": 1.0,
+               "environments_inferred": 2, "environments_true": 2,
+               "inferred_vs_true": [{**row, "share": 1.0, "delay_steps": 0} for row in _stages(recurring, [0, 0, 1])]}
+    line = summary_text(results, Path("run")).splitlines()[1]
+    assert line == ("environments inferred: 2 (distinct true environments: 2; not every stage in its own "
+                    "environment's slot)")
+    results["inferred_vs_true"][1]["inferred_env"], results["inferred_vs_true"][2]["inferred_env"] = 1, 0
+    assert summary_text(results, Path("run")).splitlines()[1].endswith("; each stage in its own environment's slot)")

@@ -11,12 +11,21 @@ def _duration(seconds: float) -> str:
     return f"{m}m{s:02d}s"
 
 
+def _slots_note(results: dict) -> str:
+    from vase.table1 import in_own_slots
+
+    right = in_own_slots(results)
+    if right is None:
+        return ""
+    return "; each stage in its own environment's slot" if right else "; not every stage in its own environment's slot"
+
+
 def summary_text(results: dict, run_dir: Path) -> str:
     lines = [
         f"VASE run: ablation {results['ablation']} ({results['mode']}), preset {results['preset']}, "
         f"{results['steps']} steps in {_duration(results['wall_time_s'])}",
         f"environments inferred: {results['environments_inferred']} (distinct true environments: "
-        f"{results['environments_true']})",
+        f"{results['environments_true']}{_slots_note(results)})",
         f"  {'true environment':<18} {'inferred':>8} {'share':>6} {'delay':>7}",
     ]
     for row in results["inferred_vs_true"]:
