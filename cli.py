@@ -239,7 +239,8 @@ def evaluate(run_dir, as_json, steps, batches, own_slot, by_latent, classifier, 
                                        ("--classifier", classifier), ("--replay", replay is not None)) if on]
         if len(given) > 1:
             raise VaseError(f"{' and '.join(given)} are separate readings: give one at a time")
-        if replay is None and (latents is not None or count != 20):
+        count_given = click.get_current_context().get_parameter_source("count") != click.core.ParameterSource.DEFAULT
+        if replay is None and (latents is not None or count_given):
             raise VaseError("--count and --latents go with --replay STEP")
         if replay is not None:
             return _replay(Path(run_dir), replay, count, latents, as_json, _resolve_device(device))

@@ -59,6 +59,7 @@ def test_the_text_and_json_carry_each_step(run):
     (["--replay", str(STAGE), "--latents", "a"], "give latents as integers"),
     (["--replay", str(STAGE), "--classifier"], "--classifier and --replay are separate readings"),
     (["--count", "3"], "--count and --latents go with --replay STEP"),
+    (["--count", "20"], "--count and --latents go with --replay STEP"),  # the default's value, given
     (["--latents", "1"], "--count and --latents go with --replay STEP"),
 ])
 def test_bad_replays_are_refused_in_one_line(run, extra, message):
