@@ -258,11 +258,11 @@ def evaluate(run_dir, as_json, steps, batches, own_slot, by_latent, classifier, 
         if own_slot is not None and by_latent:
             from vase.latent_drift import latent_drift_text, own_slot_drift_by_latent
 
-            rows = own_slot_drift_by_latent(Path(run_dir), _steps("--own-slot", own_slot), _resolve_device(device),
+            rows = own_slot_drift_by_latent(Path(run_dir), _integers("--own-slot", own_slot), _resolve_device(device),
                                             step)
             return click.echo(json.dumps(rows, indent=2) if as_json else latent_drift_text(rows))
         if own_slot is not None:
-            rows = own_slot_errors_by_encoder(Path(run_dir), _steps("--own-slot", own_slot), _resolve_device(device),
+            rows = own_slot_errors_by_encoder(Path(run_dir), _integers("--own-slot", own_slot), _resolve_device(device),
                                               step)
             return click.echo(json.dumps(rows, indent=2) if as_json else own_slot_text(rows))
         results = evaluate_run(Path(run_dir), device=_resolve_device(device), reading=reading)
@@ -271,9 +271,9 @@ def evaluate(run_dir, as_json, steps, batches, own_slot, by_latent, classifier, 
     click.echo(json.dumps(results, indent=2) if as_json else summary_text(results, Path(run_dir)))
 
 
-def _steps(option: str, text: str, what: str = "steps", example: str = "11000,24000") -> list[int]:
+def _integers(option: str, text: str, what: str = "steps", example: str = "11000,24000") -> list[int]:
     try:
-        return [int(step) for step in comma_list(text)]
+        return [int(value) for value in comma_list(text)]
     except ValueError:
         raise VaseError(f"{option} {text!r}: give {what} as integers separated by commas, e.g. {example}") \
             from None
@@ -299,7 +299,7 @@ def _slot_picks(run_dir: Path, step: int | None, also: tuple[str, ...], as_json:
 def _replay(run_dir: Path, step: int, count: int, latents: str | None, as_json: bool, device) -> None:
     from vase.replay import replay, replay_text
 
-    shown = _steps("--latents", latents, "latents", "1,8,16") if latents is not None else None
+    shown = _integers("--latents", latents, "latents", "1,8,16") if latents is not None else None
     rows = replay(run_dir, step, count, shown, device=device)
     click.echo(json.dumps([row.as_dict() for row in rows], indent=2) if as_json else replay_text(rows))
 
@@ -307,7 +307,7 @@ def _replay(run_dir: Path, step: int, count: int, latents: str | None, as_json: 
 def _typicality(run_dir: Path, steps: str, batches: int, as_json: bool, device) -> None:
     from vase.typicality import run_typicality, typicality_text
 
-    wanted = _steps("--atypicality", steps)
+    wanted = _integers("--atypicality", steps)
     cfg = load_run_config(run_dir, trains=False)
     rows = run_typicality(run_dir, cfg, wanted, batches, device=device)
     click.echo(json.dumps([row.as_dict() for row in rows], indent=2) if as_json

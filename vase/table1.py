@@ -112,9 +112,9 @@ WRONG_SLOTS_NOTE = "* the count of environments is right, but not every stage tr
 
 def environment_counts(row: dict) -> list[str]:
     """Each seed's count of inferred environments, marked * where the stages are not in their own slots."""
-    right = row.get("environments_in_own_slots") or [None] * len(row["environments_inferred"])
     return ["?" if n is None else f"{n}*" if ok is False and n == true else str(n)
-            for n, ok, true in zip(row["environments_inferred"], right, row["environments_true"])]
+            for n, ok, true in zip(row["environments_inferred"], row["environments_in_own_slots"],
+                                   row["environments_true"])]
 
 
 def in_own_slots(result: dict) -> bool | None:
