@@ -272,6 +272,15 @@ def test_table1_names_the_rules_a_run_left_out():
              "sync_at_allocation": False, "rule_names": list(RULE_SETS["vase"]), "dream_weights": [10.0, 1.0]}
     assert row_label({**today, "rules_without": ["settling"]}) == "SDA (without settling)"
     assert row_label(today) == "SDA"
+    # Eq. 3's gamma where it is not the default; a results.json without it ran at the default.
+    assert row_label({**today, "gamma": 10.0}) == "SDA (γ 10)"
+    assert row_label({**today, "gamma": 100.0}) == "SDA"
+    assert row_label({**today, "mode": "entangled", "gamma": 10.0}) == "SDA"
+    # C(t) on each environment's own clock is named where S can make an environment return.
+    assert row_label({**today, "capacity_clock": "environment"}) == "SDA (C(t) on each environment's clock)"
+    assert row_label({**today, "capacity_clock": "run"}) == "SDA"
+    assert row_label({**today, "ablation": "DA", "capacity_clock": "environment"}) == "DA"
+    assert row_label({**today, "mode": "entangled", "capacity_clock": "environment"}) == "SDA"
     # Eq. 7's dreams drawn from the snapshot's pixels are named where D is on.
     assert row_label({**today, "dream_images": "sample"}) == "SDA (sampled dreams)"
     assert row_label({**today, "dream_images": "mean"}) == "SDA"

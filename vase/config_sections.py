@@ -86,6 +86,10 @@ class ObjectiveConfig:
     capacity_max: float = 25.0  # nats [related]
     # Linear ramp of C(t) over the global step (a pure function of the step) [ours].
     capacity_ramp_steps: int = 3000
+    # The t of each environment's C(t): "run", the run's step as eq. 3 prints it, or "environment", the
+    # run's step less the steps the environment spent away, so a returning environment is held to the
+    # C it left at [ours, docs/method.md "Returns at the short schedule"; `vase.objective.CapacityClock`].
+    capacity_clock: str = "run"
     # [ours, beyond the paper] Weight, in units of gamma, of the summed atypicality (eq. 4) of a new
     # environment's fresh latents (unmasked, and used by no other environment). A new
     # slot, its known latents masked, meets C in fresh latents faster by narrowing or shifting
@@ -227,6 +231,7 @@ class ProbeConfig:
 CHOICES = {
     "objective.mode": ("disentangled", "entangled"),
     "objective.capacity_form": ("squared", "absolute"),
+    "objective.capacity_clock": ("run", "environment"),
     "inference.rules": RULE_SETS,
     "dream.images": ("mean", "sample"),
     "probe.reading": PROBE_READINGS,

@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 
 from vase.config_migrations import C_MAX_BEFORE_RECORDED, EQ8_DREAM_WEIGHTS, ramp_acted
-from vase.config_sections import DreamConfig
+from vase.config_sections import DreamConfig, ObjectiveConfig
 from vase.rules import RULES
 from vase.summary import latent_union
 
@@ -61,6 +61,13 @@ def recorded_capacity_max(result: dict) -> float:
     return result.get("capacity_max", C_MAX_BEFORE_RECORDED)
 
 
+def recorded_gamma(result: dict) -> float:
+    """The run's eq. 3 weight γ. A results.json written before it recorded γ reads as the default:
+    every committed run of that time ran at it but one, which was made again with γ recorded
+    (docs/method.md, "Returns at the short schedule")."""
+    return result.get("gamma", ObjectiveConfig.gamma)
+
+
 def rules_used(result: dict) -> list[str]:
     """The rules of a run's set, less those it left out: results.json's `rule_names`, or for an
     older results.json the deleted rules of `NAMED_WHEN_USED` it used."""
@@ -72,7 +79,9 @@ def rules_used(result: dict) -> list[str]:
 def row_label(result: dict) -> str:
     """A Table 1 row's name: the ablation, the rule set where inference runs with another than the
     default (`inference.rules`), the capacity term where results.json says it was the absolute
-    value rather than eq. 8's square (`objective.capacity_form`), a snapshot that tau never
+    value rather than eq. 8's square (`objective.capacity_form`), a γ other than the default
+    (`objective.gamma`), C(t) on each environment's own
+    clock (`objective.capacity_clock`), a snapshot that tau never
     re-syncs within the run (`dream.snapshot_every`), a snapshot also re-synced at allocations
     (`dream.sync_at_allocation`; a results.json without it is such a run), a rule vase no longer
     has that the run used (`rules_used`; a run left without it is named as today's set), eq. 7's
@@ -88,6 +97,11 @@ def row_label(result: dict) -> str:
     notes += [f"with {name}" for name in rules_used(result) if name not in RULES and name not in NAMED_BY_SETTING]
     if result.get("mode") != "entangled" and result.get("capacity_form") == "absolute":
         notes.append("absolute capacity term")
+    if result.get("mode") != "entangled" and recorded_gamma(result) != ObjectiveConfig.gamma:
+        notes.append(f"γ {recorded_gamma(result):g}")
+    if "S" in result["ablation"] and result.get("mode") != "entangled" \
+            and result.get("capacity_clock", "run") == "environment":
+        notes.append("C(t) on each environment's clock")
     if "D" in result["ablation"]:
         at_allocations = "S" in result["ablation"] and result.get("sync_at_allocation", True)
         if result.get("snapshot_every", 0) >= sum(result.get("steps_per_env") or [0]) > 0:  # tau longer than the run
