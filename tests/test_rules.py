@@ -281,6 +281,8 @@ def test_table1_names_the_rules_a_run_left_out():
     assert row_label({**today, "capacity_clock": "run"}) == "SDA"
     assert row_label({**today, "ablation": "DA", "capacity_clock": "environment"}) == "DA"
     assert row_label({**today, "mode": "entangled", "capacity_clock": "environment"}) == "SDA"
+    assert row_label({**today, "return_ramp_steps": 200}) == "SDA (return ramp 200)"
+    assert row_label({**today, "return_ramp_steps": 0}) == "SDA"
     # Eq. 7's dreams drawn from the snapshot's pixels are named where D is on.
     assert row_label({**today, "dream_images": "sample"}) == "SDA (sampled dreams)"
     assert row_label({**today, "dream_images": "mean"}) == "SDA"

@@ -92,6 +92,7 @@ MIGRATIONS: dict[str, Migration] = {
     "objective.fresh_aggregate_weight": added(0.0),  # no fresh-latent penalty
     "objective.capacity_form": added("absolute"),  # the CCI-VAE's |KL - C|
     "objective.capacity_clock": added("run"),  # C(t) of the run's step for every environment
+    "objective.return_ramp_steps": added(0),  # a returning environment's target was C(t) at once
     "dream.sync_at_allocation": added(True),  # the snapshot was re-synced at every allocation
     "dream.encoder_weight": added(EQ8_DREAM_WEIGHTS[0]),
     # Rules pruned for want of a failure they fix (docs/method.md, rules beyond eq. 6).

@@ -28,6 +28,7 @@ from vase.masking import atypicality
 from vase.networks import VAE, EnvironmentClassifier, Posterior
 from vase.objective import (
     CapacityClock,
+    ReturnRamp,
     capacity,
     kl_per_latent,
     masked_kl,
@@ -110,6 +111,7 @@ class Learner:
         if graphed:
             self.snapshot.passes = GraphedNoGrad(self.snapshot.imagine)
         self.clock = CapacityClock(m.k_max, self.objective.capacity_clock == "environment")
+        self.return_ramp = ReturnRamp(self.objective.return_ramp_steps)
         self.step = 0
 
     # -- the pieces of eq. 8 ------------------------------------------------------------------------
@@ -224,6 +226,7 @@ class Learner:
         clock of `objective.capacity_clock`."""
         kl = masked_kl(enc.real.mu, enc.real.logvar, mask)
         target = capacity(self.clock.time(self.step, decision.env), self.objective)
+        target = self.return_ramp.target(self.step, decision.env, decision.verdict == "switch", kl, target)
         loss = mdl_loss(recon, kl, target, self.objective, self.fresh_shift(enc.real, mask, maskable, decision.env))
         return {"reconstruction": recon.mean(), "kl": kl.mean(), "mdl": loss}, target
 
@@ -366,6 +369,7 @@ class Learner:
             "classifier_optimizer": self.classifier_optimizer.state_dict(),
             "inference": self.inference.state_dict(),  # with the slots: a^s, L_s, usage
             "capacity_clock": self.clock.state_dict(),
+            "return_ramp": self.return_ramp.state_dict(),
             "generator": self.generator.get_state(),
             "generator_device": self.device.type,
             "torch_rng": torch.get_rng_state(),
@@ -383,6 +387,7 @@ class Learner:
             inference = from_split_layout(inference, d["masks"])
         self.inference.load_state_dict(inference)
         self.load_clock(d.get("capacity_clock"))
+        self.return_ramp.load_state_dict(d.get("return_ramp", {"begun": {}}))  # absent: none begun
         # A CPU generator's state cannot seed a CUDA one (different algorithms). Moved to another
         # kind of device, the run continues from a fresh stream derived from its seed and step:
         # it resumes, but not bit for bit (docs/devices.md).

@@ -81,7 +81,8 @@ def row_label(result: dict) -> str:
     default (`inference.rules`), the capacity term where results.json says it was the absolute
     value rather than eq. 8's square (`objective.capacity_form`), a γ other than the default
     (`objective.gamma`), C(t) on each environment's own
-    clock (`objective.capacity_clock`), a snapshot that tau never
+    clock (`objective.capacity_clock`), a returning environment's target ramped from its KL
+    (`objective.return_ramp_steps`), a snapshot that tau never
     re-syncs within the run (`dream.snapshot_every`), a snapshot also re-synced at allocations
     (`dream.sync_at_allocation`; a results.json without it is such a run), a rule vase no longer
     has that the run used (`rules_used`; a run left without it is named as today's set), eq. 7's
@@ -102,6 +103,8 @@ def row_label(result: dict) -> str:
     if "S" in result["ablation"] and result.get("mode") != "entangled" \
             and result.get("capacity_clock", "run") == "environment":
         notes.append("C(t) on each environment's clock")
+    if "S" in result["ablation"] and result.get("mode") != "entangled" and result.get("return_ramp_steps"):
+        notes.append(f"return ramp {result['return_ramp_steps']}")
     if "D" in result["ablation"]:
         at_allocations = "S" in result["ablation"] and result.get("sync_at_allocation", True)
         if result.get("snapshot_every", 0) >= sum(result.get("steps_per_env") or [0]) > 0:  # tau longer than the run
