@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from vase.config import build_config
-from vase.errors import ConfigError
 from vase.inference import Decision
 from vase.learner import Learner
 from vase.masking import atypicality
@@ -227,27 +226,6 @@ def _forced(lrn, env, verdict):
     lrn.inference.infer = decide
 
 
-@pytest.mark.parametrize("clock", ["run", "environment"])
-def test_a_returning_environment_meets_c_of_its_own_clock(clock):
-    """objective.capacity_clock: environment 0 trains steps 0-3 (C = 0 ... 7.5 on a ramp of 10 steps
-    to 25), environment 1 steps 4-6, and 0 is back at step 7. On the run's clock its target is
-    C(7) = 17.5; on its own clock C(7 - 3) = 10, the target its next step had when it left. The
-    new environment starts on the run's clock either way, and the training before the return is the same."""
-    lrn = learner("SDA", ["objective.capacity_ramp_steps=10", f"objective.capacity_clock={clock}"])
-    x = squares(16, torch.Generator().manual_seed(0), 0)
-    targets = []
-    for step in range(9):
-        if step == 4:
-            _forced(lrn, 1, "new")
-        if step == 7:
-            _forced(lrn, 0, "switch")
-        out = lrn.training_step(x)
-        targets.append(out.extra["capacity"])
-    back = [10.0, 12.5] if clock == "environment" else [17.5, 20.0]
-    assert targets == pytest.approx([0.0, 2.5, 5.0, 7.5, 10.0, 12.5, 15.0] + back)
-    assert lrn.state_dict()["capacity_clock"] == {"away": [3, 2, 0, 0]}
-
-
 def test_a_returning_environments_target_ramps_from_the_kl_it_brings_to_c_of_t():
     """objective.return_ramp_steps = 4: at the switch back into environment 0 (step 7) the target is
     the batch's own KL, so eq. 3's capacity term is 0 there; it then moves a quarter of the way to
@@ -274,24 +252,6 @@ def test_a_returning_environments_target_ramps_from_the_kl_it_brings_to_c_of_t()
     resumed = learner("SDA", ["objective.capacity_ramp_steps=10", "objective.return_ramp_steps=4"])
     resumed.load_state_dict(state)
     assert resumed.training_step(x).extra["capacity"] == pytest.approx(targets[9])
-
-
-def test_a_checkpoint_without_the_steps_away_continues_only_on_the_run_clock():
-    lrn = learner("SDA")
-    x = squares(16, torch.Generator().manual_seed(0), 0)
-    for step in range(4):
-        if step == 2:
-            _forced(lrn, 1, "new")
-        lrn.training_step(x)
-    state = copy.deepcopy(lrn.state_dict())
-    assert state["inference"]["n_envs"] == 2 and state["capacity_clock"] == {"away": [2, 0, 0, 0]}
-    del state["capacity_clock"]
-    run = learner("SDA")
-    run.load_state_dict(copy.deepcopy(state))
-    assert run.clock.away == [0, 0, 0, 0]
-    own = learner("SDA", ["objective.capacity_clock=environment"])
-    with pytest.raises(ConfigError, match="capacity_clock=environment cannot continue it"):
-        own.load_state_dict(copy.deepcopy(state))
 
 
 def test_the_fresh_latent_penalty_reads_only_a_new_environments_fresh_latents():

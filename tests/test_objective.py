@@ -7,7 +7,6 @@ import torch
 
 from vase.config import ObjectiveConfig, build_config, load_run_config
 from vase.objective import (
-    CapacityClock,
     capacity,
     kl_per_latent,
     masked_kl,
@@ -158,26 +157,6 @@ def test_runs_from_before_the_fresh_latent_penalty_resume_without_it(tmp_path):
     del d["objective"]["fresh_aggregate_weight"]
     (tmp_path / "config.json").write_text(json.dumps(d))
     assert load_run_config(tmp_path).objective.fresh_aggregate_weight == 0.0  # as they were trained
-
-
-def test_the_environment_clock_stops_while_an_environment_is_away():
-    """Environment 0 trains steps 0-4, environment 1 (allocated at 5) steps 5-7, environment 0 is back
-    at 8-9 and 1 at 10: on the environment clock 0 returns at its own time 5 and 1 at 5 + 3 = 8;
-    on the run clock both read the step."""
-    stream = [0] * 5 + [1] * 3 + [0] * 2 + [1]
-    run, own = CapacityClock(4, per_environment=False), CapacityClock(4, per_environment=True)
-    times = []
-    for step, env in enumerate(stream):
-        allocated = 1 if step < 5 else 2
-        times.append((run.time(step, env), own.time(step, env)))
-        run.stepped(env, allocated)
-        own.stepped(env, allocated)
-    assert [t for t, _ in times] == list(range(11))
-    assert [t for _, t in times] == [0, 1, 2, 3, 4, 5, 6, 7, 5, 6, 8]
-    assert own.away == run.away == [4, 2, 0, 0]  # counted under both clocks, so a branch may switch
-    restored = CapacityClock(4, per_environment=True)
-    restored.load_state_dict(own.state_dict())
-    assert restored.time(11, 0) == 7 and restored.time(11, 1) == 9  # 7 and 4 steps trained
 
 
 @pytest.mark.parametrize("form", ["squared", "absolute"])

@@ -276,7 +276,8 @@ def test_table1_names_the_rules_a_run_left_out():
     assert row_label({**today, "gamma": 10.0}) == "SDA (γ 10)"
     assert row_label({**today, "gamma": 100.0}) == "SDA"
     assert row_label({**today, "mode": "entangled", "gamma": 10.0}) == "SDA"
-    # C(t) on each environment's own clock is named where S can make an environment return.
+    # C(t) on each environment's own clock (a setting since deleted) is named where S can make an
+    # environment return.
     assert row_label({**today, "capacity_clock": "environment"}) == "SDA (C(t) on each environment's clock)"
     assert row_label({**today, "capacity_clock": "run"}) == "SDA"
     assert row_label({**today, "ablation": "DA", "capacity_clock": "environment"}) == "DA"

@@ -91,7 +91,6 @@ MIGRATIONS: dict[str, Migration] = {
     "model.weight_grad_kernel": added("onednn"),  # oneDNN computed the weight gradients before the kernel
     "objective.fresh_aggregate_weight": added(0.0),  # no fresh-latent penalty
     "objective.capacity_form": added("absolute"),  # the CCI-VAE's |KL - C|
-    "objective.capacity_clock": added("run"),  # C(t) of the run's step for every environment
     "objective.return_ramp_steps": added(0),  # a returning environment's target was C(t) at once
     "dream.sync_at_allocation": added(True),  # the snapshot was re-synced at every allocation
     "dream.encoder_weight": added(EQ8_DREAM_WEIGHTS[0]),
@@ -104,6 +103,8 @@ MIGRATIONS: dict[str, Migration] = {
     "train.max_grad_norm": removed("train.max_grad_norm", 0.0),
     # Measured and rejected (docs/method.md, "q_psi on dreams").
     "inference.classifier_on_dreams": removed("inference.classifier_on_dreams", False),
+    # Measured and rejected (docs/method.md, "Returns at the short schedule").
+    "objective.capacity_clock": removed("objective.capacity_clock", "run"),
     # Off by default, so deleted (docs/method.md, "q_psi's prior").
     "inference.balanced_classifier": removed("inference.balanced_classifier", False),
     # Refused a returning environment, so deleted (docs/method.md, "Eq. 6's error less the images' entropy").

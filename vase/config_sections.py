@@ -86,10 +86,6 @@ class ObjectiveConfig:
     capacity_max: float = 25.0  # nats [related]
     # Linear ramp of C(t) over the global step (a pure function of the step) [ours].
     capacity_ramp_steps: int = 3000
-    # The t of each environment's C(t): "run", the run's step as eq. 3 prints it, or "environment", the
-    # run's step less the steps the environment spent away, so a returning environment is held to the
-    # C it left at [ours, docs/method.md "Returns at the short schedule"; `vase.objective.CapacityClock`].
-    capacity_clock: str = "run"
     # At a switch back into a past environment, its target starts from the KL the batch brings and
     # reaches C(t) over this many steps (0: C(t) at once, eq. 3) [ours, docs/method.md "Returns at
     # the short schedule"; `vase.objective.ReturnRamp`].
@@ -235,7 +231,6 @@ class ProbeConfig:
 CHOICES = {
     "objective.mode": ("disentangled", "entangled"),
     "objective.capacity_form": ("squared", "absolute"),
-    "objective.capacity_clock": ("run", "environment"),
     "inference.rules": RULE_SETS,
     "dream.images": ("mean", "sample"),
     "probe.reading": PROBE_READINGS,

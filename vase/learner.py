@@ -22,12 +22,11 @@ from vase.conv_paths import place, use_implementation
 from vase.cuda_graphs import GraphedNoGrad, GraphedPasses, usable
 from vase.device import precision_context
 from vase.dreaming import Dreaming, Dreams, NoDreams, Snapshot, decoder_proximity, encoder_proximity
-from vase.errors import ConfigError, NumericalError
+from vase.errors import NumericalError
 from vase.inference import Decision, build
 from vase.masking import atypicality
 from vase.networks import VAE, EnvironmentClassifier, Posterior
 from vase.objective import (
-    CapacityClock,
     ReturnRamp,
     capacity,
     kl_per_latent,
@@ -110,7 +109,6 @@ class Learner:
         self.encoder_pass, self.decoder_pass = self.graphed or (self.model.encoder, self.model.decoder)
         if graphed:
             self.snapshot.passes = GraphedNoGrad(self.snapshot.imagine)
-        self.clock = CapacityClock(m.k_max, self.objective.capacity_clock == "environment")
         self.return_ramp = ReturnRamp(self.objective.return_ramp_steps)
         self.step = 0
 
@@ -167,7 +165,6 @@ class Learner:
         # Eq. 5-6's statistics of s: L_s, its latent use, then a^s.
         self.inference.bookkeeping(decision, self.eq6_error(enc, s, dreams), enc.usage, enc.alpha, mask, maskable)
         self.dreaming.stepped(t, self.model)  # every tau steps the snapshot is re-synced (paper §3.5)
-        self.clock.stepped(s, self.inference.n_envs)
         self.step += 1
         return StepOutput(step=t, decision=decision, losses=values, kl_per_latent=enc.kl, alpha=enc.alpha,
                           mask=mask, extra={"capacity": target})
@@ -222,10 +219,10 @@ class Learner:
 
     def mdl_term(self, enc: Encoded, decision: Decision, mask: torch.Tensor, maskable: torch.Tensor,
                  recon: torch.Tensor) -> tuple[dict[str, torch.Tensor], float]:
-        """Eq. 3 on the batch with the masked posterior of eq. 2, and the capacity target C(t) on the
-        clock of `objective.capacity_clock`."""
+        """Eq. 3 on the batch with the masked posterior of eq. 2, and the capacity target C(t), or a
+        returning environment's ramp to it (`objective.return_ramp_steps`)."""
         kl = masked_kl(enc.real.mu, enc.real.logvar, mask)
-        target = capacity(self.clock.time(self.step, decision.env), self.objective)
+        target = capacity(self.step, self.objective)
         target = self.return_ramp.target(self.step, decision.env, decision.verdict == "switch", kl, target)
         loss = mdl_loss(recon, kl, target, self.objective, self.fresh_shift(enc.real, mask, maskable, decision.env))
         return {"reconstruction": recon.mean(), "kl": kl.mean(), "mdl": loss}, target
@@ -349,15 +346,6 @@ class Learner:
         recon = self.reconstruct_mean(x, env, mu).clamp(1e-6, 1 - 1e-6)
         return float(reconstruction_nll(torch.logit(recon), x).mean())
 
-    def load_clock(self, state: dict | None) -> None:
-        """The steps each environment spent away. A checkpoint without them never left an environment
-        to return to one on the environment clock: before it, every clock read the run's step."""
-        if state is not None:
-            self.clock.load_state_dict(state)
-        elif self.clock.per_environment and self.inference.n_envs > 1:
-            raise ConfigError("this checkpoint does not record the steps each environment spent away, so "
-                              "objective.capacity_clock=environment cannot continue it; keep the run clock")
-
     # -- checkpointing ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {
@@ -368,7 +356,6 @@ class Learner:
             "optimizer": self.optimizer.state_dict(),
             "classifier_optimizer": self.classifier_optimizer.state_dict(),
             "inference": self.inference.state_dict(),  # with the slots: a^s, L_s, usage
-            "capacity_clock": self.clock.state_dict(),
             "return_ramp": self.return_ramp.state_dict(),
             "generator": self.generator.get_state(),
             "generator_device": self.device.type,
@@ -386,7 +373,6 @@ class Learner:
         if "masks" in d:  # the split layout: each slot's mask apart from the rest of it
             inference = from_split_layout(inference, d["masks"])
         self.inference.load_state_dict(inference)
-        self.load_clock(d.get("capacity_clock"))
         self.return_ramp.load_state_dict(d.get("return_ramp", {"begun": {}}))  # absent: none begun
         # A CPU generator's state cannot seed a CUDA one (different algorithms). Moved to another
         # kind of device, the run continues from a fresh stream derived from its seed and step:

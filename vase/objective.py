@@ -57,37 +57,6 @@ def capacity(step: int, cfg: ObjectiveConfig) -> float:
     return cfg.capacity_max * min(1.0, step / cfg.capacity_ramp_steps)
 
 
-class CapacityClock:
-    """The t of each environment's C(t) in eq. 3 (`objective.capacity_clock`).
-
-    "run": the run's step, as eq. 3 prints it. "environment": the run's step less the steps the
-    environment spent away since its allocation, so its target does not move while others train:
-    a returning environment is held to the C it left at, not to a C that ramped on without it
-    (docs/method.md, "Returns at the short schedule"). A new environment starts on the run's clock.
-    Where the ramp ends before any environment leaves, as on `--schedule long`, the two agree.
-    The steps away are counted under both, so a branch may switch clocks.
-    """
-
-    def __init__(self, environments: int, per_environment: bool):
-        self.per_environment = per_environment
-        self.away = [0] * environments
-
-    def time(self, step: int, env: int) -> int:
-        return step - self.away[env] if self.per_environment else step
-
-    def stepped(self, env: int, allocated: int) -> None:
-        """After a step trained (or held pending) in env: every other allocated environment was away."""
-        for other in range(allocated):
-            if other != env:
-                self.away[other] += 1
-
-    def state_dict(self) -> dict:
-        return {"away": list(self.away)}
-
-    def load_state_dict(self, d: dict) -> None:
-        self.away = [int(n) for n in d["away"]]
-
-
 class ReturnRamp:
     """A returning environment's capacity target, `objective.return_ramp_steps` [ours].
 

@@ -80,9 +80,9 @@ def row_label(result: dict) -> str:
     """A Table 1 row's name: the ablation, the rule set where inference runs with another than the
     default (`inference.rules`), the capacity term where results.json says it was the absolute
     value rather than eq. 8's square (`objective.capacity_form`), a γ other than the default
-    (`objective.gamma`), C(t) on each environment's own
-    clock (`objective.capacity_clock`), a returning environment's target ramped from its KL
-    (`objective.return_ramp_steps`), a snapshot that tau never
+    (`objective.gamma`), C(t) on each environment's own clock (the setting
+    `objective.capacity_clock`, since deleted), a returning environment's target ramped from its
+    KL (`objective.return_ramp_steps`), a snapshot that tau never
     re-syncs within the run (`dream.snapshot_every`), a snapshot also re-synced at allocations
     (`dream.sync_at_allocation`; a results.json without it is such a run), a rule vase no longer
     has that the run used (`rules_used`; a run left without it is named as today's set), eq. 7's
@@ -101,7 +101,7 @@ def row_label(result: dict) -> str:
     if result.get("mode") != "entangled" and recorded_gamma(result) != ObjectiveConfig.gamma:
         notes.append(f"γ {recorded_gamma(result):g}")
     if "S" in result["ablation"] and result.get("mode") != "entangled" \
-            and result.get("capacity_clock", "run") == "environment":
+            and result.get("capacity_clock", "run") == "environment":  # a setting since deleted
         notes.append("C(t) on each environment's clock")
     if "S" in result["ablation"] and result.get("mode") != "entangled" and result.get("return_ramp_steps"):
         notes.append(f"return ramp {result['return_ramp_steps']}")
