@@ -79,8 +79,8 @@ class Config:
 
         The fresh-latent penalty acts only in an environment allocated after the first (S on) and
         only on the capacity objective, not the entangled one; so does the return ramp, which acts
-        only on an environment that was away. A grid over runs made
-        before such a setting existed then still accepts the rows it cannot have changed.
+        only on an environment that was away. A grid over runs made before such a setting existed
+        then still accepts the rows it cannot have changed.
         Likewise eq. 7's decoder weight acts only with dreams and their decoder term (not in "-",
         S, A, SA or SD-[41]), and the snapshot's sync at an allocation only with D and S."""
         inert = set()
