@@ -96,14 +96,15 @@ def row_label(result: dict) -> str:
     notes = [f"{rules} rules"] if "S" in result["ablation"] and rules != "vase" else []
     notes += [f"without {name}" for name in result.get("rules_without", []) if name not in NAMED_WHEN_USED]
     notes += [f"with {name}" for name in rules_used(result) if name not in RULES and name not in NAMED_BY_SETTING]
-    if result.get("mode") != "entangled" and result.get("capacity_form") == "absolute":
+    capacity = result.get("mode") != "entangled"  # eq. 3's capacity term, not the plain VAE
+    returns = capacity and "S" in result["ablation"]  # and environments that can return
+    if capacity and result.get("capacity_form") == "absolute":
         notes.append("absolute capacity term")
-    if result.get("mode") != "entangled" and recorded_gamma(result) != ObjectiveConfig.gamma:
+    if capacity and recorded_gamma(result) != ObjectiveConfig.gamma:
         notes.append(f"γ {recorded_gamma(result):g}")
-    if "S" in result["ablation"] and result.get("mode") != "entangled" \
-            and result.get("capacity_clock", "run") == "environment":  # a setting since deleted
+    if returns and result.get("capacity_clock", "run") == "environment":  # a setting since deleted
         notes.append("C(t) on each environment's clock")
-    if "S" in result["ablation"] and result.get("mode") != "entangled" and result.get("return_ramp_steps"):
+    if returns and result.get("return_ramp_steps"):
         notes.append(f"return ramp {result['return_ramp_steps']}")
     if "D" in result["ablation"]:
         at_allocations = "S" in result["ablation"] and result.get("sync_at_allocation", True)
