@@ -225,6 +225,8 @@ def test_a_right_count_with_the_stages_in_wrong_slots_is_marked():
     text = table1_markdown(table1_rows([merged]))
     assert "| 2 of 3 |" in text and "*" not in text.split("environments inferred (of true)")[1]
     assert "2*/2" in table1_text(table1_rows([wrong, right]))
+    assert "count of environments is right" in table1_text(table1_rows([wrong, right]))
+    assert "*" not in table1_text(table1_rows([merged]))
 
 
 def test_the_summary_says_whether_each_stage_trained_in_its_own_slot():

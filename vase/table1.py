@@ -227,7 +227,7 @@ def _count(latents: list[int] | None) -> int | None:
 def table1_text(rows: list[dict]) -> str:
     from vase.metrics.continual import format_table1_row, table1_header
 
-    lines = []
+    lines, starred = [], False
     for mode, sequence in sorted({(row["mode"], row["sequence"]) for row in rows}):
         lines.append(f"{mode}, {sequence}:")
         lines.append("  " + table1_header() + " | seeds | envs inferred | latents used / informative")
@@ -236,9 +236,12 @@ def table1_text(rows: list[dict]) -> str:
             cells = format_table1_row(row["mean"], row["ablation"], None if single else row["std"])
             used = "/".join("?" if n is None else str(n) for n in row["latents_used"])
             info = "/".join("?" if n is None else str(n) for n in row["latents_informative"])
-            envs = "/".join(environment_counts(row))
+            counts = environment_counts(row)
+            starred = starred or any(c.endswith("*") for c in counts)
+            envs = "/".join(counts)
             lines.append(f"  {cells} | {','.join(map(str, row['seeds']))} | {envs} | {used} / {info}")
             if len(set(row["seeds"])) < len(row["seeds"]):
                 lines.append(f"  note: {row['ablation']} has repeated seeds; are two runs the same experiment?")
-    lines.append("mean (±std) over seeds; per-seed values are separated by '/'; " + WRONG_SLOTS_NOTE)
+    legend = "mean (±std) over seeds; per-seed values are separated by '/'"
+    lines.append(legend + ("; " + WRONG_SLOTS_NOTE if starred else ""))
     return "\n".join(lines)
