@@ -93,6 +93,7 @@ def test_a_run_made_at_eq8s_dream_weights_reads_them_back(tmp_path):
     ("inference.balanced_classifier", False, True),
     ("inference.error_less_entropy", False, True),
     ("objective.capacity_clock", "run", "environment"),
+    ("objective.return_ramp_steps", 0, 200),
 ])
 def test_a_run_made_with_a_removed_setting_resumes_only_where_it_changed_nothing(tmp_path, path, inert, other):
     from vase.errors import ConfigError

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from vase.config import build_config
-from vase.inference import Decision
 from vase.learner import Learner
 from vase.masking import atypicality
 from vase.objective import prior_where_masked
@@ -210,48 +209,6 @@ def test_every_environment_meets_the_same_capacity_target_c_of_t():
     assert out.decision.env == 1 and out.losses["kl"] < 20.0 and out.extra["capacity"] == 25.0
     nxt = lrn.training_step(x)
     assert nxt.decision.env == 1 and nxt.extra["capacity"] == 25.0
-
-
-def _forced(lrn, env, verdict):
-    """Make the next verdict `verdict` into `env`: an allocation, or a switch back to a past slot."""
-    infer = lrn.inference.infer
-
-    def decide(t, *args):
-        lrn.inference.infer = infer
-        if verdict == "new":
-            return lrn.inference.allocate(t, env, "new", ["reconstruction"])
-        lrn.inference.current = env
-        return Decision(t, env, env, verdict)
-
-    lrn.inference.infer = decide
-
-
-def test_a_returning_environments_target_ramps_from_the_kl_it_brings_to_c_of_t():
-    """objective.return_ramp_steps = 4: at the switch back into environment 0 (step 7) the target is
-    the batch's own KL, so eq. 3's capacity term is 0 there; it then moves a quarter of the way to
-    C(t) per step and is C(t) from step 11. The new environment (step 4) meets C(t) at once, and a
-    checkpoint taken in the ramp resumes it."""
-    lrn = learner("SDA", ["objective.capacity_ramp_steps=10", "objective.return_ramp_steps=4"])
-    x = squares(16, torch.Generator().manual_seed(0), 0)
-    outs = []
-    for step in range(13):
-        if step == 4:
-            _forced(lrn, 1, "new")
-        if step == 7:
-            _forced(lrn, 0, "switch")
-        if step == 9:
-            state = copy.deepcopy(lrn.state_dict())
-        outs.append(lrn.training_step(x))
-    targets = [o.extra["capacity"] for o in outs]
-    kl = outs[7].losses["kl"]
-    assert targets[:7] == pytest.approx([0.0, 2.5, 5.0, 7.5, 10.0, 12.5, 15.0])
-    assert targets[7] == pytest.approx(kl) and outs[7].losses["mdl"] == pytest.approx(outs[7].losses["reconstruction"])
-    assert targets[8:11] == pytest.approx([kl + (c - kl) * k / 4 for k, c in ((1, 20.0), (2, 22.5), (3, 25.0))])
-    assert targets[11:] == pytest.approx([25.0, 25.0])
-    assert state["return_ramp"] == {"begun": {0: [7, pytest.approx(kl)]}}
-    resumed = learner("SDA", ["objective.capacity_ramp_steps=10", "objective.return_ramp_steps=4"])
-    resumed.load_state_dict(state)
-    assert resumed.training_step(x).extra["capacity"] == pytest.approx(targets[9])
 
 
 def test_the_fresh_latent_penalty_reads_only_a_new_environments_fresh_latents():

@@ -78,14 +78,13 @@ class Config:
         """Settings this config's training never reads, so two runs differing only there train alike.
 
         The fresh-latent penalty acts only in an environment allocated after the first (S on) and
-        only on the capacity objective, not the entangled one; so does the return ramp, which acts
-        only on an environment that was away. A grid over runs made before such a setting existed
-        then still accepts the rows it cannot have changed.
+        only on the capacity objective, not the entangled one. A grid over runs made before such a
+        setting existed then still accepts the rows it cannot have changed.
         Likewise eq. 7's decoder weight acts only with dreams and their decoder term (not in "-",
         S, A, SA or SD-[41]), and the snapshot's sync at an allocation only with D and S."""
         inert = set()
         if not self.inference.enabled or self.objective.mode == "entangled":  # one environment, or no C(t)
-            inert |= {"objective.fresh_aggregate_weight", "objective.return_ramp_steps"}
+            inert.add("objective.fresh_aggregate_weight")
         if not (self.dream.enabled and self.dream.decoder_term):
             inert.add("dream.decoder_weight")
         if not (self.dream.enabled and self.inference.enabled):  # no snapshot, or no allocation

@@ -91,7 +91,6 @@ MIGRATIONS: dict[str, Migration] = {
     "model.weight_grad_kernel": added("onednn"),  # oneDNN computed the weight gradients before the kernel
     "objective.fresh_aggregate_weight": added(0.0),  # no fresh-latent penalty
     "objective.capacity_form": added("absolute"),  # the CCI-VAE's |KL - C|
-    "objective.return_ramp_steps": added(0),  # a returning environment's target was C(t) at once
     "dream.sync_at_allocation": added(True),  # the snapshot was re-synced at every allocation
     "dream.encoder_weight": added(EQ8_DREAM_WEIGHTS[0]),
     # Rules pruned for want of a failure they fix (docs/method.md, rules beyond eq. 6).
@@ -105,6 +104,7 @@ MIGRATIONS: dict[str, Migration] = {
     "inference.classifier_on_dreams": removed("inference.classifier_on_dreams", False),
     # Measured and rejected (docs/method.md, "Returns at the short schedule").
     "objective.capacity_clock": removed("objective.capacity_clock", "run"),
+    "objective.return_ramp_steps": removed("objective.return_ramp_steps", 0),
     # Off by default, so deleted (docs/method.md, "q_psi's prior").
     "inference.balanced_classifier": removed("inference.balanced_classifier", False),
     # Refused a returning environment, so deleted (docs/method.md, "Eq. 6's error less the images' entropy").

@@ -86,10 +86,6 @@ class ObjectiveConfig:
     capacity_max: float = 25.0  # nats [related]
     # Linear ramp of C(t) over the global step (a pure function of the step) [ours].
     capacity_ramp_steps: int = 3000
-    # At a switch back into a past environment, its target starts from the KL the batch brings and
-    # reaches C(t) over this many steps (0: C(t) at once, eq. 3) [ours, docs/method.md "Returns at
-    # the short schedule"; `vase.objective.ReturnRamp`].
-    return_ramp_steps: int = 0
     # [ours, beyond the paper] Weight, in units of gamma, of the summed atypicality (eq. 4) of a new
     # environment's fresh latents (unmasked, and used by no other environment). A new
     # slot, its known latents masked, meets C in fresh latents faster by narrowing or shifting

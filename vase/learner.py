@@ -27,7 +27,6 @@ from vase.inference import Decision, build
 from vase.masking import atypicality
 from vase.networks import VAE, EnvironmentClassifier, Posterior
 from vase.objective import (
-    ReturnRamp,
     capacity,
     kl_per_latent,
     masked_kl,
@@ -109,7 +108,6 @@ class Learner:
         self.encoder_pass, self.decoder_pass = self.graphed or (self.model.encoder, self.model.decoder)
         if graphed:
             self.snapshot.passes = GraphedNoGrad(self.snapshot.imagine)
-        self.return_ramp = ReturnRamp(self.objective.return_ramp_steps)
         self.step = 0
 
     # -- the pieces of eq. 8 ------------------------------------------------------------------------
@@ -219,11 +217,9 @@ class Learner:
 
     def mdl_term(self, enc: Encoded, decision: Decision, mask: torch.Tensor, maskable: torch.Tensor,
                  recon: torch.Tensor) -> tuple[dict[str, torch.Tensor], float]:
-        """Eq. 3 on the batch with the masked posterior of eq. 2, and the capacity target C(t), or a
-        returning environment's ramp to it (`objective.return_ramp_steps`)."""
+        """Eq. 3 on the batch with the masked posterior of eq. 2, and the capacity target C(t)."""
         kl = masked_kl(enc.real.mu, enc.real.logvar, mask)
         target = capacity(self.step, self.objective)
-        target = self.return_ramp.target(self.step, decision.env, decision.verdict == "switch", kl, target)
         loss = mdl_loss(recon, kl, target, self.objective, self.fresh_shift(enc.real, mask, maskable, decision.env))
         return {"reconstruction": recon.mean(), "kl": kl.mean(), "mdl": loss}, target
 
@@ -356,7 +352,6 @@ class Learner:
             "optimizer": self.optimizer.state_dict(),
             "classifier_optimizer": self.classifier_optimizer.state_dict(),
             "inference": self.inference.state_dict(),  # with the slots: a^s, L_s, usage
-            "return_ramp": self.return_ramp.state_dict(),
             "generator": self.generator.get_state(),
             "generator_device": self.device.type,
             "torch_rng": torch.get_rng_state(),
@@ -373,7 +368,6 @@ class Learner:
         if "masks" in d:  # the split layout: each slot's mask apart from the rest of it
             inference = from_split_layout(inference, d["masks"])
         self.inference.load_state_dict(inference)
-        self.return_ramp.load_state_dict(d.get("return_ramp", {"begun": {}}))  # absent: none begun
         # A CPU generator's state cannot seed a CUDA one (different algorithms). Moved to another
         # kind of device, the run continues from a fresh stream derived from its seed and step:
         # it resumes, but not bit for bit (docs/devices.md).

@@ -57,40 +57,6 @@ def capacity(step: int, cfg: ObjectiveConfig) -> float:
     return cfg.capacity_max * min(1.0, step / cfg.capacity_ramp_steps)
 
 
-class ReturnRamp:
-    """A returning environment's capacity target, `objective.return_ramp_steps` [ours].
-
-    At a switch back into a past environment its target starts from the KL the batch brings and moves
-    linearly to C(t) over `steps` steps, so eq. 3 closes the gap between them gently instead of in
-    two or three steps with KL that carries no information (docs/method.md, "Returns at the short
-    schedule"). 0: the target is C(t) at once, as eq. 3 prints it.
-    """
-
-    def __init__(self, steps: int):
-        self.steps = steps
-        self.begun: dict[int, tuple[int, float]] = {}  # env -> (step of the return, its KL then)
-
-    def target(self, step: int, env: int, switched: bool, kl: torch.Tensor, c: float) -> float:
-        if not self.steps:
-            return c
-        if switched:
-            self.begun[env] = (step, float(kl.detach().mean()))
-        if env not in self.begun:
-            return c
-        start, start_kl = self.begun[env]
-        done = (step - start) / self.steps
-        if done >= 1.0:
-            del self.begun[env]
-            return c
-        return start_kl + (c - start_kl) * done
-
-    def state_dict(self) -> dict:
-        return {"begun": {env: list(v) for env, v in self.begun.items()}}
-
-    def load_state_dict(self, d: dict) -> None:
-        self.begun = {int(env): (int(v[0]), float(v[1])) for env, v in d["begun"].items()}
-
-
 def capacity_penalty(kl: torch.Tensor, target: float, form: str) -> torch.Tensor:
     """|KL - C|^2 (form "squared", eq. 8 of the paper and its poster) or |KL - C| (form "absolute",
     Burgess et al.'s CCI-VAE), of the batch's mean KL. The two have different units, so gamma is

@@ -82,7 +82,7 @@ def row_label(result: dict) -> str:
     value rather than eq. 8's square (`objective.capacity_form`), a γ other than the default
     (`objective.gamma`), C(t) on each environment's own clock (the setting
     `objective.capacity_clock`, since deleted), a returning environment's target ramped from its
-    KL (`objective.return_ramp_steps`), a snapshot that tau never
+    KL (`objective.return_ramp_steps`, since deleted), a snapshot that tau never
     re-syncs within the run (`dream.snapshot_every`), a snapshot also re-synced at allocations
     (`dream.sync_at_allocation`; a results.json without it is such a run), a rule vase no longer
     has that the run used (`rules_used`; a run left without it is named as today's set), eq. 7's
@@ -104,7 +104,7 @@ def row_label(result: dict) -> str:
         notes.append(f"γ {recorded_gamma(result):g}")
     if returns and result.get("capacity_clock", "run") == "environment":  # a setting since deleted
         notes.append("C(t) on each environment's clock")
-    if returns and result.get("return_ramp_steps"):
+    if returns and result.get("return_ramp_steps"):  # a setting since deleted
         notes.append(f"return ramp {result['return_ramp_steps']}")
     if "D" in result["ablation"]:
         at_allocations = "S" in result["ablation"] and result.get("sync_at_allocation", True)
