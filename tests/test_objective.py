@@ -194,15 +194,28 @@ def test_the_long_schedule_sets_the_lengths_together_and_overrides_win():
     assert build_config("cpu", ["data.steps_per_env=7"], "SDA", "long").data.steps_per_env == [7]
 
 
-def test_the_long_schedule_gives_the_first_stage_its_full_capacity():
+@pytest.mark.parametrize("schedule", ["long", "extended"])
+def test_a_long_schedule_gives_the_first_stage_its_full_capacity(schedule):
     """C(t) reaches C_max inside the first stage (docs/method.md, the regime: a ramp longer than a
     stage left moving Fashion at 40 % of C_max)."""
     from vase.objective import capacity
 
-    cfg = build_config("cpu", [], "SDA", "long")
+    cfg = build_config("cpu", [], "SDA", schedule)
     stage, ramp = cfg.data.steps_per_env[0], cfg.objective.capacity_ramp_steps
     assert ramp < stage
     assert float(capacity(stage - 1, cfg.objective)) == pytest.approx(cfg.objective.capacity_max)
+
+
+def test_the_extended_schedule_scales_the_long_one_together():
+    """Steps, ramp, τ and settling keep the long schedule's proportions to a stage (docs/method.md,
+    the regime), so only the length changes between the two studies."""
+    long, extended = build_config("cpu", [], "SDA", "long"), build_config("cpu", [], "SDA", "extended")
+    factor = extended.data.steps_per_env[0] / long.data.steps_per_env[0]
+    assert factor > 1
+    for section, name in [("objective", "capacity_ramp_steps"), ("dream", "snapshot_every"),
+                          ("inference", "cooldown")]:
+        assert getattr(getattr(extended, section), name) == getattr(getattr(long, section), name) * factor
+    assert extended.probe.every >= long.probe.every
 
 
 def test_an_unknown_schedule_is_refused():
