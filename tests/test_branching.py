@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 from test_cli import invoke, sprite_data, tiny_args  # noqa: F401 (sprite_data is a fixture)
 from test_reliability import assert_same_learner, comparable, learner_state, read_results, scalar_series
@@ -14,6 +16,8 @@ from vase import checkpoint
 from vase.config import load_run_config
 
 STAGE = 8  # steps per environment: stages end at 8, 16 and 24
+# S, D and A off: the CCI-VAE, "-"
+SWITCHES_OFF = ("--set", "inference.enabled=false", "--set", "dream.enabled=false", "--set", "mask.enabled=false")
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +42,8 @@ def test_a_branch_without_overrides_is_the_source_run_from_its_step_on(straight,
     assert scalar_series(b / "tb") == scalar_series(straight / "tb")
     assert checkpoint.kept_stage_steps(b) == checkpoint.kept_stage_steps(straight) == [STAGE, 2 * STAGE, 3 * STAGE]
     assert json.loads((b / "branch.json").read_text()) == {"source": str(straight), "step": STAGE, "overrides": []}
+    assert read_results(b)["branch"] == {"source": "straight", "step": STAGE, "overrides": []}
+    assert read_results(straight)["branch"] is None
 
 
 def test_a_branch_with_other_rules_keeps_the_history_before_its_step(straight, tmp_path):
@@ -48,6 +54,31 @@ def test_a_branch_with_other_rules_keeps_the_history_before_its_step(straight, t
     before = [e for e in read_results(straight)["inference_events"] if e["step"] < STAGE]
     assert [e for e in read_results(b)["inference_events"] if e["step"] < STAGE] == before
     assert read_results(b)["probes"]["history"][0] == read_results(straight)["probes"]["history"][0]
+
+
+def test_the_switches_turned_off_at_the_first_stage_end_train_the_cci_vae_run(straight, sprite_data, tmp_path):  # noqa: F811
+    """Before the first allocation S, D and A change nothing of the model (one slot, no past
+    environment to dream, no other slot's latents to mask), so "-" branched from SDA at the end of
+    the first stage is the "-" run trained from scratch, bit for bit (docs/usage.md, rows that share
+    a first stage)."""
+    scratch = tmp_path / "scratch"
+    assert invoke(tiny_args(scratch, sprite_data, steps=STAGE) + ["--ablation=-"]).exit_code == 0
+    b = tmp_path / "b"
+    result = branch(straight, b, "--at", str(STAGE), *SWITCHES_OFF)
+    assert result.exit_code == 0, result.output
+    ours, theirs = learner_state(b), learner_state(scratch)
+    assert ours["step"] == theirs["step"] == 3 * STAGE
+    for key in theirs["model"]:
+        assert torch.equal(ours["model"][key], theirs["model"][key]), key
+    assert torch.equal(ours["generator"], theirs["generator"]) and torch.equal(ours["torch_rng"], theirs["torch_rng"])
+    ran, made = read_results(b), read_results(scratch)
+    assert ran["ablation"] == made["ablation"] == "-"
+    for key in ("probes", "heldout_reconstruction_matrix", "latent_use"):
+        assert ran[key] == made[key], key
+    # not trivially: the state it started from is SDA's, whose classifier trained through the stage
+    source_at, scratch_at = (checkpoint.load_checkpoint(run, STAGE)[0]["learner"] for run in (straight, scratch))
+    classifier = source_at["classifier"]
+    assert any(not torch.equal(classifier[k], scratch_at["classifier"][k]) for k in classifier)
 
 
 def test_a_branch_may_change_the_length_of_the_stages_after_its_step(straight, tmp_path):
@@ -71,6 +102,20 @@ def test_a_branch_that_cannot_continue_the_state_is_refused_in_one_line_and_writ
     result = branch(straight, tmp_path / "b", *extra)
     assert result.exit_code != 0 and message in result.output, result.output
     assert "Traceback" not in result.output and not (tmp_path / "b").exists()
+
+
+def test_switching_inference_off_after_an_allocation_is_refused(straight, tmp_path):
+    """Past the first allocation the state has several slots, and with S off every batch would go to
+    slot 0: that is no "-" run, so the branch is refused; before it, the same branch trains."""
+    source = tmp_path / "allocated"
+    shutil.copytree(straight, source)
+    state, meta = checkpoint.load_checkpoint(source, 2 * STAGE)
+    state["learner"]["inference"]["n_envs"] = 2
+    checkpoint.save_checkpoint(source, state, meta, keep=True)
+    result = branch(source, tmp_path / "late", "--at", str(2 * STAGE), *SWITCHES_OFF)
+    assert result.exit_code != 0 and "inferred 2 environments by step 16" in result.output, result.output
+    assert not (tmp_path / "late").exists()
+    assert branch(source, tmp_path / "early", "--at", str(STAGE), *SWITCHES_OFF).exit_code == 0
 
 
 def test_a_branch_onto_its_own_source_is_refused_and_the_source_is_kept(straight):

@@ -44,7 +44,7 @@ RESULT_KEYS = {
     "final_masks", "heldout_reconstruction_matrix", "cross_domain_errors", "latent_use", "disentanglement", "probes",
     "weight_gradients", "device", "rules", "rules_without", "rule_names", "capacity_form", "snapshot_every",
     "sync_at_allocation", "own_slot_errors_stage_codes", "dream_images", "capacity_max", "capacity_ramp_steps",
-    "host",
+    "host", "branch",
 }
 
 

@@ -71,7 +71,8 @@ def assert_same_learner(a: dict, b: dict) -> None:
 
 
 def comparable(results: dict) -> dict:
-    return {k: v for k, v in results.items() if k != "wall_time_s"}
+    """What two runs that trained alike share: all but the wall time and where a branch started."""
+    return {k: v for k, v in results.items() if k not in ("wall_time_s", "branch")}
 
 
 def read_results(run: Path) -> dict:

@@ -73,6 +73,11 @@ def plan_branch(source: Path, step: int, overrides: list[str], data_root: str | 
         raise VaseError(f"a branch continues the state of step {step}, which {', '.join(changed)} shaped; "
                         "these cannot change at a branch")
     _check_stages_before(before, cfg, step)
+    inferred = state["learner"]["inference"]["n_envs"]
+    if before.inference.enabled and not cfg.inference.enabled and inferred > 1:
+        raise VaseError(f"the source had inferred {inferred} environments by step {step}; with "
+                        "inference.enabled=false every batch would go to slot 0 of a state that has more; "
+                        "branch from a step before its first allocation")
     return Branch(Path(source), step, list(overrides), cfg, state)
 
 
@@ -111,3 +116,14 @@ def write_branch(branch: Branch, target: Path) -> None:
                     keep=step in branch.cfg.data.stage_ends())
     write_atomic(target / BRANCH_FILE, json.dumps(
         {"source": str(source), "step": step, "overrides": branch.overrides}, indent=2).encode())
+
+
+def branch_origin(run_dir: Path) -> dict | None:
+    """Where a branched run started, for its results.json: the source run's folder name (not its
+    path, which names a machine), the step and the overrides; None for a run trained from step 0."""
+    path = Path(run_dir) / BRANCH_FILE
+    if not path.is_file():
+        return None
+    origin = json.loads(path.read_text())
+    return {"source": Path(origin["source"]).name, "step": origin["step"], "overrides": origin["overrides"]}
+

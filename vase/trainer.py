@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
+from vase.branching import branch_origin
 from vase.callbacks import Callback, StepEnd
 from vase.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint, write_atomic
 from vase.config import Config
@@ -243,7 +244,7 @@ class Trainer:
             bar.close()
             self._call("on_train_end")
             restore_sigint()
-        results = self.evaluator.results()
+        results = self.evaluator.results() | {"branch": branch_origin(self.run_dir)}
         write_atomic(self.run_dir / "results.json", json.dumps(results, indent=2).encode())
         return results
 
