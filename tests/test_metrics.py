@@ -20,7 +20,13 @@ from vase.metrics.continual import (
     value_at,
 )
 from vase.metrics.disentanglement import dci, dci_completeness, dci_disentanglement, factor_labels, mig
-from vase.metrics.plots import atypicality_figure, latent_use_figure, latent_use_matrix, probe_curves_figure
+from vase.metrics.plots import (
+    atypicality_figure,
+    latent_use_figure,
+    latent_use_matrix,
+    probe_colours,
+    probe_curves_figure,
+)
 from vase.metrics.probes import object_id_accuracy, position_mse
 
 # ---------------------------------------------------------------------------------------------
@@ -266,6 +272,16 @@ def test_probe_curves_figure_is_an_rgb_image():
         (20, {"object_id/a": 0.6, "position_mse/a": 0.003, "object_id/b": 0.9}),
     ]
     _assert_image(probe_curves_figure(history, [10, 20]))
+
+
+def test_an_environment_has_one_colour_in_both_probe_panels():
+    """The identity panel has a static environment the position panel lacks; the shared one must
+    still match (matplotlib's own cycle gave it the first colour in one panel, the second in the other)."""
+    colours = probe_colours(["object_id/mnist", "object_id/moving_fashion", "position_mse/moving_fashion",
+                             "object_id/moving_mnist", "position_mse/moving_mnist"])
+    assert colours["object_id/moving_fashion"] == colours["position_mse/moving_fashion"]
+    assert colours["object_id/moving_mnist"] == colours["position_mse/moving_mnist"]
+    assert len({colours[f"object_id/{env}"] for env in ("mnist", "moving_fashion", "moving_mnist")}) == 3
 
 
 def test_atypicality_figure_is_an_rgb_image():

@@ -21,6 +21,13 @@ FIGSIZE = (7.0, 5.0)
 DPI = 100
 
 
+def probe_colours(names: Sequence[str]) -> dict[str, str]:
+    """One colour per environment, so that its identity and position curves match across the two
+    panels: probe name ("kind/environment") -> matplotlib's cycle colour "C<i>"."""
+    envs = sorted({name.split("/", 1)[1] for name in names})
+    return {name: f"C{envs.index(name.split('/', 1)[1]) % 10}" for name in names}
+
+
 def probe_curves_figure(history: Sequence[tuple[int, dict]], env_end_steps: Sequence[int]) -> np.ndarray:
     """Probe values vs step (paper Fig. 2 bottom): object-ID accuracies on top, position MSE below.
 
@@ -30,11 +37,12 @@ def probe_curves_figure(history: Sequence[tuple[int, dict]], env_end_steps: Sequ
     fig = Figure(figsize=FIGSIZE, dpi=DPI)
     ax_acc, ax_mse = fig.subplots(2, 1, sharex=True)
     names = sorted({name for _, values in history for name in values})
+    colours = probe_colours(names)
     for name in names:
         points = [(step, values[name]) for step, values in history if name in values]
         steps, ys = zip(*points)
         ax = ax_acc if kind_of(name) == ACCURACY else ax_mse
-        ax.plot(steps, ys, marker=".", label=name.split("/", 1)[1])
+        ax.plot(steps, ys, marker=".", color=colours[name], label=name.split("/", 1)[1])
     ax_acc.set_ylabel("object-ID accuracy")
     ax_acc.set_ylim(0.0, 1.0)
     ax_mse.set_ylabel("position MSE")
