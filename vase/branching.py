@@ -126,4 +126,3 @@ def branch_origin(run_dir: Path) -> dict | None:
         return None
     origin = json.loads(path.read_text())
     return {"source": Path(origin["source"]).name, "step": origin["step"], "overrides": origin["overrides"]}
-
