@@ -104,17 +104,41 @@ def test_a_branch_that_cannot_continue_the_state_is_refused_in_one_line_and_writ
     assert "Traceback" not in result.output and not (tmp_path / "b").exists()
 
 
-def test_switching_inference_off_after_an_allocation_is_refused(straight, tmp_path):
-    """Past the first allocation the state has several slots, and with S off every batch would go to
-    slot 0: that is no "-" run, so the branch is refused; before it, the same branch trains."""
-    source = tmp_path / "allocated"
-    shutil.copytree(straight, source)
-    state, meta = checkpoint.load_checkpoint(source, 2 * STAGE)
-    state["learner"]["inference"]["n_envs"] = 2
+def _edit_state(source: Path, step: int, edit) -> None:
+    state, meta = checkpoint.load_checkpoint(source, step)
+    edit(state)
     checkpoint.save_checkpoint(source, state, meta, keep=True)
+
+
+def _edit_config(source: Path, section: str, name: str, value) -> None:
+    config = json.loads((source / "config.json").read_text())
+    config[section][name] = value
+    (source / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda s: _edit_state(s, 2 * STAGE, lambda st: st["learner"]["inference"].update(n_envs=2)),
+     "inferred 2 environments by step 16"),
+    (lambda s: _edit_state(s, 2 * STAGE, lambda st: st["record"].update(pending=3)),
+     "held 3 pending batches out of training by step 16"),
+    (lambda s: _edit_config(s, "inference", "rules", "paper"), "may mask latents of its one slot"),
+])
+def test_switching_inference_off_where_the_source_did_not_train_as_one_slot_is_refused(
+        straight, tmp_path, edit, message):
+    """A "-" branch is the "-" run only if the source trained as it would have: one slot, no pending
+    batch held out, no latent of the slot masked. Hand-made sources that break each are refused."""
+    source = tmp_path / "source"
+    shutil.copytree(straight, source)
+    edit(source)
     result = branch(source, tmp_path / "late", "--at", str(2 * STAGE), *SWITCHES_OFF)
-    assert result.exit_code != 0 and "inferred 2 environments by step 16" in result.output, result.output
-    assert not (tmp_path / "late").exists()
+    assert result.exit_code != 0 and message in result.output, result.output
+    assert "Traceback" not in result.output and not (tmp_path / "late").exists()
+
+
+def test_switching_inference_off_before_the_first_allocation_trains(straight, tmp_path):
+    source = tmp_path / "source"
+    shutil.copytree(straight, source)
+    _edit_state(source, 2 * STAGE, lambda st: st["learner"]["inference"].update(n_envs=2))
     assert branch(source, tmp_path / "early", "--at", str(STAGE), *SWITCHES_OFF).exit_code == 0
 
 

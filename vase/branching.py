@@ -20,6 +20,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from vase import rules
 from vase.checkpoint import (
     STAGES_DIR,
     checkpoint_dir,
@@ -73,11 +74,8 @@ def plan_branch(source: Path, step: int, overrides: list[str], data_root: str | 
         raise VaseError(f"a branch continues the state of step {step}, which {', '.join(changed)} shaped; "
                         "these cannot change at a branch")
     _check_stages_before(before, cfg, step)
-    inferred = state["learner"]["inference"]["n_envs"]
-    if before.inference.enabled and not cfg.inference.enabled and inferred > 1:
-        raise VaseError(f"the source had inferred {inferred} environments by step {step}; with "
-                        "inference.enabled=false every batch would go to slot 0 of a state that has more; "
-                        "branch from a step before its first allocation")
+    if before.inference.enabled and not cfg.inference.enabled:
+        _check_trained_as_one_slot(before, state, step)
     return Branch(Path(source), step, list(overrides), cfg, state)
 
 
@@ -92,6 +90,27 @@ def _check_stages_before(before: Config, after: Config, step: int) -> None:
     if after.data.stage_ends()[-1] <= step:
         raise VaseError(f"the branch's sequence ends at step {after.data.stage_ends()[-1]}, with nothing to "
                         f"train after step {step}")
+
+
+def _check_trained_as_one_slot(before: Config, state: dict, step: int) -> None:
+    """A branch that turns S off continues a run without S only if the source trained as one did up
+    to `step` (docs/usage.md, rows that share a first stage): no second slot, no batch held out
+    while pending, and no latent of its one slot masked (`others_latents_only` masks only latents
+    other slots use, so with one slot it masks none)."""
+    inferred = state["learner"]["inference"]["n_envs"]
+    if inferred > 1:
+        raise VaseError(f"the source had inferred {inferred} environments by step {step}; with "
+                        "inference.enabled=false every batch would go to slot 0 of a state that has more; "
+                        "branch from a step before its first allocation")
+    names = rules.chosen(before)
+    held_out = state["record"]["pending"]
+    if held_out and "frozen_while_pending" in names:
+        raise VaseError(f"the source held {held_out} pending batches out of training by step {step}, "
+                        "which a run without S trains on; branch from a run that held none")
+    if before.mask.enabled and "others_latents_only" not in names:
+        raise VaseError(f"the source's rules ({before.inference.rules}) may mask latents of its one slot, "
+                        "which a run without S never does; branch from a run whose rules include "
+                        "others_latents_only")
 
 
 def write_branch(branch: Branch, target: Path) -> None:
