@@ -8,6 +8,7 @@ from vase.config_checks import setting
 from vase.config_migrations import MIGRATIONS, migrate
 from vase.config_sections import CHOICES
 from vase.errors import ConfigError
+from vase.rules import as_configured
 
 LISTS = ("data.sequence", "data.steps_per_env", "model.channels")
 
@@ -130,31 +131,22 @@ def test_a_run_whose_pending_batches_trained_is_refused_where_the_rule_now_holds
     assert "pending_batches_train" not in migrate(saved)["inference"]
 
 
-@pytest.mark.parametrize("change, refused", [
-    ({}, True), ({"ablation": "A", "inference.enabled": False}, False), ({"objective.mode": "entangled"}, False),
-    ({"inference.rules": "paper"}, False), ({"inference.without": ["own_capacity_ramp", "settling"]}, False),
-])
-def test_a_run_made_with_the_own_capacity_ramp_is_refused_where_it_acted(change, refused):
-    """objective.new_env_ramp_steps, removed with the rule own_capacity_ramp: a run whose new
-    environments ramped their own target cannot be reproduced; with S off, the entangled objective,
-    the paper set or the rule left out, the setting changed nothing, and the run reads as today's."""
+def test_a_run_made_with_the_own_capacity_ramp_reads_as_it_trained(tmp_path):
+    """objective.new_env_ramp_steps: a config.json that holds it (runs made while the rule was on by
+    default, at 1000 or 7200 steps) trains with it; one made without the setting trained with C(t)
+    alone and reads as 0; a run that left the rule out keeps it out."""
     saved = json.loads(build_config("cpu").to_json())
     saved["objective"]["new_env_ramp_steps"] = 1000
-    for path, value in change.items():
-        if "." in path:
-            section, key = path.split(".")
-            saved[section][key] = value
-        else:
-            saved[path] = value
-    if refused:
-        with pytest.raises(ConfigError, match="objective.new_env_ramp_steps=1000, a setting vase no longer has"):
-            migrate(saved)
-        assert "new_env_ramp_steps" not in migrate(saved, trains=False)["objective"]
-    else:
-        out = migrate(saved)
-        assert "new_env_ramp_steps" not in out["objective"] and "own_capacity_ramp" not in out["inference"]["without"]
-    saved["objective"]["new_env_ramp_steps"] = 0  # eq. 3's C(t): what runs without the rule did
-    assert "new_env_ramp_steps" not in migrate(saved)["objective"]
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    cfg = load_run_config(tmp_path)
+    assert cfg.objective.new_env_ramp_steps == 1000 and as_configured(cfg).objective.new_env_ramp_steps == 1000
+    saved["inference"]["without"] = ["own_capacity_ramp"]
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert as_configured(load_run_config(tmp_path)).objective.new_env_ramp_steps == 0  # eq. 3's C(t)
+    del saved["objective"]["new_env_ramp_steps"]
+    saved["inference"]["without"] = []
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert load_run_config(tmp_path).objective.new_env_ramp_steps == 0
 
 
 @pytest.mark.parametrize("assignment, field, value", [
@@ -204,7 +196,7 @@ def test_a_run_made_with_a_deleted_rule_loads_without_its_settings(tmp_path):
     saved["inference"]["without"] = ["ranked_fallback", "settling", "current_first", "resettling", "probation",
                                      "own_capacity_ramp"]
     (tmp_path / "config.json").write_text(json.dumps(saved))
-    assert load_run_config(tmp_path).inference.without == ["settling"]
+    assert load_run_config(tmp_path).inference.without == ["settling", "own_capacity_ramp"]
 
 
 @pytest.mark.parametrize("key", sorted(CHOICES))

@@ -194,10 +194,14 @@ def test_without_s_a_does_not_mask_latents_while_they_are_learnt():
     assert lrn.mask(0).tolist() == [1.0, 1.0, 0.0, 1.0, 1.0, 1.0]
 
 
-def test_every_environment_meets_the_same_capacity_target_c_of_t():
-    """Eq. 3: the capacity target is C(t), a function of the global step alone, in the first
-    environment and in one allocated when C(t) is already at C_max, whose own KL is far below it."""
-    lrn = learner("SDA", ["objective.capacity_ramp_steps=10", "objective.capacity_max=25"])
+@pytest.mark.parametrize("ramp, without", [(0, False), (100, False), (100, True)])
+def test_a_new_environment_starts_its_capacity_from_the_kl_it_carries(ramp, without):
+    """The rule own_capacity_ramp (objective.new_env_ramp_steps): a slot allocated when C(t) is at
+    C_max starts its target from its own KL and climbs C_max / ramp per step; with 0, or the rule
+    left out, it must meet C(t) at once, as eq. 3 reads. The first environment follows C(t)."""
+    settings = ["objective.capacity_ramp_steps=10", "objective.capacity_max=25",
+                f"objective.new_env_ramp_steps={ramp}"] + (["inference.without=own_capacity_ramp"] if without else [])
+    lrn = learner("SDA", settings)
     x = squares(16, torch.Generator().manual_seed(0), 0)
     for _ in range(12):  # C(t) reaches C_max at step 10
         out = lrn.training_step(x)
@@ -206,9 +210,18 @@ def test_every_environment_meets_the_same_capacity_target_c_of_t():
     lrn.inference.infer = lambda t, *args: lrn.inference.allocate(t, 1, "new", ["reconstruction"])
     out = lrn.training_step(x)  # step 12: a second environment
     lrn.inference.infer = infer
-    assert out.decision.env == 1 and out.losses["kl"] < 20.0 and out.extra["capacity"] == 25.0
+    assert out.decision.env == 1 and lrn.capacity_starts[1][0] == 12
+    start_kl = lrn.capacity_starts[1][1]
+    assert start_kl == pytest.approx(out.losses["kl"], rel=1e-6) and start_kl < 20.0
+    ramps = ramp and not without
+    assert out.extra["capacity"] == (pytest.approx(start_kl) if ramps else 25.0)
     nxt = lrn.training_step(x)
-    assert nxt.decision.env == 1 and nxt.extra["capacity"] == 25.0
+    assert nxt.decision.env == 1
+    assert nxt.extra["capacity"] == (pytest.approx(start_kl + 0.25) if ramps else 25.0)
+    # The ramp survives a checkpoint: a restored learner computes the same target.
+    restored = learner("SDA", settings)
+    restored.load_state_dict(lrn.state_dict())
+    assert restored.capacity_starts == lrn.capacity_starts
 
 
 def test_the_fresh_latent_penalty_reads_only_a_new_environments_fresh_latents():

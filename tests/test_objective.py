@@ -8,6 +8,7 @@ import torch
 from vase.config import ObjectiveConfig, build_config, load_run_config
 from vase.objective import (
     capacity,
+    environment_capacity,
     kl_per_latent,
     masked_kl,
     masked_sample,
@@ -216,6 +217,21 @@ def test_the_extended_schedule_scales_the_long_one_together():
                           ("inference", "cooldown")]:
         assert getattr(getattr(extended, section), name) == getattr(getattr(long, section), name) * factor
     assert extended.probe.every >= long.probe.every
+    # A new slot's own ramp is C(t)'s, at the extended schedule only (docs/method.md, own capacity ramp).
+    assert extended.objective.new_env_ramp_steps == extended.objective.capacity_ramp_steps
+    assert long.objective.new_env_ramp_steps == 0 == build_config("cpu").objective.new_env_ramp_steps
+
+
+def test_a_new_environment_ramps_its_own_capacity_from_the_kl_it_carries():
+    """The rule own_capacity_ramp: min(C(t), KL_s + C_max (t - t_s) / R), by hand."""
+    cfg = ObjectiveConfig(capacity_max=25.0, capacity_ramp_steps=3000, new_env_ramp_steps=0)
+    assert environment_capacity(4500, (4000, 2.0), cfg) == 25.0  # off: C(t), eq. 3
+    cfg.new_env_ramp_steps = 1000
+    assert environment_capacity(4000, (4000, 2.0), cfg) == 2.0
+    assert environment_capacity(4500, (4000, 2.0), cfg) == pytest.approx(2.0 + 12.5)
+    assert environment_capacity(5000, (4000, 2.0), cfg) == 25.0  # never above C(t)
+    assert environment_capacity(2000, (1900, 30.0), cfg) == pytest.approx(25.0 * 2000 / 3000)
+    assert environment_capacity(300, None, cfg) == pytest.approx(2.5)  # the first environment: C(t)
 
 
 def test_an_unknown_schedule_is_refused():

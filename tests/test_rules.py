@@ -15,7 +15,7 @@ from vase.errors import ConfigError
 from vase.inference import MASK, SingleEnvironment, build
 from vase.learner import Learner
 from vase.masking import AllOnes
-from vase.objective import mdl_loss
+from vase.objective import environment_capacity, mdl_loss
 from vase.rules import HOOKS, RULE_SETS, RULES, Rule, as_configured
 from vase.table1 import row_label
 
@@ -40,6 +40,7 @@ def with_rules(names, cfg=None, **kwargs):
 
 def objective(names):
     cfg = case_config()
+    cfg.objective.new_env_ramp_steps = 1000
     with patch.dict(RULE_SETS, {"case": tuple(names)}):
         cfg.inference.rules = "case"
         return as_configured(cfg).objective
@@ -129,6 +130,14 @@ def mdl_with(**penalty):
     return run
 
 
+def capacity_of_a_slot_allocated_at(allocated):
+    """The capacity target at step 4,000 of a slot allocated at `allocated` carrying 2 nats (C(t) at
+    C_max 25 from step 3,000 on; a ramp of 1,000 steps where the rule is in the set)."""
+    def run(names):
+        return environment_capacity(4000, (allocated, 2.0), objective(names))
+    return run
+
+
 PAPER = RULE_SETS["paper"]
 # rule -> (a case where it changes the outcome, a case where it does not, the other rules of both runs)
 CASES = {
@@ -144,6 +153,7 @@ CASES = {
     "others_latents_only": (maskable_in_env_1((2.0, 0.0, 0.0, 0.0)), maskable_in_env_1((2.0, 2.0, 2.0, 2.0)), ()),
     "learnt_latents_only": (maskable_of_one_slot([False, True, False, False]), maskable_of_one_slot([True] * 4), ()),
     "fresh_latent_penalty": (mdl_with(fresh_atypical=torch.tensor(2.0)), mdl_with(), ()),
+    "own_capacity_ramp": (capacity_of_a_slot_allocated_at(3500), capacity_of_a_slot_allocated_at(2000), ()),
 }
 
 
@@ -245,10 +255,11 @@ def test_a_rule_left_out_with_without_is_gone_and_its_setting_takes_the_printed_
     assert as_configured(case_config()).inference.error_margin == 25.0
 
 
-def test_table1_names_the_deleted_own_capacity_ramp_where_an_older_run_used_it():
-    """A results.json without `rule_names` was written while the vase set held own_capacity_ramp: the
-    row says so where the rule acted (S on, the capacity objective, the vase set, not left out), and a
-    run left without it is today's set."""
+def test_table1_names_own_capacity_ramp_where_its_ramp_acted():
+    """A row is named "with own_capacity_ramp" where a new environment's target ramped: S on, the
+    capacity objective, the rule in the run's set and a ramp of more than 0 steps. A results.json
+    without `rule_names` was written while the vase set held the rule with a ramp on by default; one
+    with `rule_names` but no recorded ramp, while vase did not have the rule."""
     older = {"ablation": "SDA", "rules": "vase", "capacity_form": "squared", "pending_batches_train": False,
              "sync_at_allocation": False, "rules_without": [], "dream_weights": [10.0, 1.0]}
     assert row_label(older) == "SDA (with own_capacity_ramp)"
@@ -257,8 +268,14 @@ def test_table1_names_the_deleted_own_capacity_ramp_where_an_older_run_used_it()
     assert row_label({**older, "rules": "paper"}) == "SDA (paper rules)"
     assert row_label({**older, "mode": "entangled"}) == "SDA"
     assert row_label({**older, "ablation": "DA"}) == "DA"
-    assert row_label({**older, "rule_names": ["debouncing", "own_capacity_ramp"]}) == "SDA (with own_capacity_ramp)"
-    assert row_label({**older, "rule_names": list(RULE_SETS["vase"])}) == "SDA"
+    assert row_label({**older, "rule_names": list(RULE_SETS["vase"])}) == "SDA"  # no ramp recorded
+    today = {**older, "rule_names": list(RULE_SETS["vase"])}
+    assert row_label({**today, "new_env_ramp_steps": 36000}) == "SDA (with own_capacity_ramp)"
+    assert row_label({**today, "new_env_ramp_steps": 0}) == "SDA"  # the short and long schedules
+    left_out = [name for name in RULE_SETS["vase"] if name != "own_capacity_ramp"]
+    assert row_label({**today, "new_env_ramp_steps": 36000, "rule_names": left_out,
+                      "rules_without": ["own_capacity_ramp"]}) == "SDA"
+    assert row_label({**today, "new_env_ramp_steps": 36000, "ablation": "-"}) == "-"
 
 
 def test_without_refuses_a_rule_the_set_does_not_have():

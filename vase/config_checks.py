@@ -25,6 +25,7 @@ BOUNDS: tuple[tuple[Callable[[Config], bool], str], ...] = (
     (lambda c: c.objective.gamma >= 0, "objective.gamma must be >= 0"),
     (lambda c: c.objective.fresh_aggregate_weight >= 0, "objective.fresh_aggregate_weight must be >= 0"),
     (lambda c: c.objective.capacity_ramp_steps >= 0, "objective.capacity_ramp_steps must be >= 0"),
+    (lambda c: c.objective.new_env_ramp_steps >= 0, "objective.new_env_ramp_steps must be >= 0"),
     (lambda c: 0.0 <= c.mask.ema < 1.0 and 0.0 <= c.inference.error_ema < 1.0,
      "mask.ema and inference.error_ema must be in [0, 1)"),
     (lambda c: c.inference.kappa > 0 and c.inference.error_margin >= 0,

@@ -55,7 +55,7 @@ def dropped(saved: Any, config: dict[str, Any]) -> Any:
 # balanced_classifier and model_error, because the default set could not have them on (docs/method.md,
 # rules beyond eq. 6).
 DELETED_RULES = ("current_first", "foreign_latents", "ranked_fallback", "resettling", "probation",
-                 "own_capacity_ramp", "classifier_on_dreams", "balanced_classifier", "model_error")
+                 "classifier_on_dreams", "balanced_classifier", "model_error")
 
 
 def without_deleted_rules(saved: Any, config: dict[str, Any]) -> Any:
@@ -66,19 +66,6 @@ def without_deleted_rules(saved: Any, config: dict[str, Any]) -> Any:
 def comma_text(saved: Any, config: dict[str, Any]) -> Any:
     """A list setting saved as comma text ("32,32,32,32"), as every list was before lists were JSON."""
     return comma_list(saved) if isinstance(saved, str) else saved
-
-
-def ramp_acted(with_s: bool, mode: str | None, rules: str, without: list[str]) -> bool:
-    """Whether own_capacity_ramp set a new environment's capacity target in a run: S on, the capacity
-    objective, and the rule in its set (the `vase` set, not left out)."""
-    return with_s and mode != "entangled" and rules == "vase" and "own_capacity_ramp" not in without
-
-
-def ramped_new_environments(config: dict[str, Any]) -> bool:
-    """`ramp_acted` for a saved config, read before inference.without's migration drops the rule's name."""
-    inference = config.get("inference", {})
-    return ramp_acted(inference.get("enabled", True), config.get("objective", {}).get("mode"),
-                      inference.get("rules", "vase"), inference.get("without", []))
 
 
 def holds_pending_batches(config: dict[str, Any]) -> bool:
@@ -96,7 +83,6 @@ MIGRATIONS: dict[str, Migration] = {
     # Rules pruned for want of a failure they fix (docs/method.md, rules beyond eq. 6).
     "objective.aggregate_weight": removed("objective.aggregate_weight", 0.0),
     "inference.probation_relies_on_past_usage": removed("inference.probation_relies_on_past_usage", False),
-    "objective.new_env_ramp_steps": removed("objective.new_env_ramp_steps", 0, acted=ramped_new_environments),
     # Measured and rejected (docs/method.md, "The optimiser at an arrival").
     "train.reset_optimizer_at_allocation": removed("train.reset_optimizer_at_allocation", False),
     "train.max_grad_norm": removed("train.max_grad_norm", 0.0),

@@ -96,6 +96,12 @@ class ObjectiveConfig:
     # latents spare in 6 seeds of 10, against 4 with 0) and the sprites in docs/method.md.
     # 0 is eq. 3 alone.
     fresh_aggregate_weight: float = 1.0
+    # [ours, beyond the paper] Steps over which a new environment's capacity target climbs from the
+    # KL it carries when allocated to C(t), at C(t)'s own slope: min(C(t), KL_s + C_max (t - t_s) / R).
+    # A new slot whose known latents are masked must otherwise find C(t) nats in fresh latents at
+    # once, and at the extended schedule that pull on the shared encoder cost moving Fashion's
+    # identity 19 points in 2,000 steps (docs/method.md, own capacity ramp). 0 is eq. 3's C(t).
+    new_env_ramp_steps: int = 0
 
 
 @dataclass

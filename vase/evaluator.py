@@ -304,6 +304,7 @@ class Evaluator(Callback):
             "capacity_form": cfg.objective.capacity_form,
             "capacity_max": cfg.objective.capacity_max,
             "capacity_ramp_steps": cfg.objective.capacity_ramp_steps,
+            "new_env_ramp_steps": cfg.objective.new_env_ramp_steps,
             "snapshot_every": cfg.dream.snapshot_every,
             "sync_at_allocation": cfg.dream.sync_at_allocation,
             "dream_weights": [cfg.dream.encoder_weight, cfg.dream.decoder_weight],

@@ -27,7 +27,7 @@ from vase.inference import Decision, build
 from vase.masking import atypicality
 from vase.networks import VAE, EnvironmentClassifier, Posterior
 from vase.objective import (
-    capacity,
+    environment_capacity,
     kl_per_latent,
     masked_kl,
     masked_sample,
@@ -108,6 +108,8 @@ class Learner:
         self.encoder_pass, self.decoder_pass = self.graphed or (self.model.encoder, self.model.decoder)
         if graphed:
             self.snapshot.passes = GraphedNoGrad(self.snapshot.imagine)
+        # Per slot after the first: (step allocated, KL carried then), for the rule own_capacity_ramp.
+        self.capacity_starts: dict[int, tuple[int, float]] = {}
         self.step = 0
 
     # -- the pieces of eq. 8 ------------------------------------------------------------------------
@@ -160,6 +162,9 @@ class Learner:
         losses.update(self.imagination_term(enc, s))  # Fig. 5B, off by default [ours]
         losses["total"] = self.total(losses)
         values = self.update(losses, enc, s, dreams, self.inference.learns(decision))
+        if decision.verdict == "new":  # where own_capacity_ramp starts s's target: the KL read with the logs
+            self.capacity_starts[s] = (t, values["kl"])
+            target = values["kl"] if torch.is_tensor(target) else target
         # Eq. 5-6's statistics of s: L_s, its latent use, then a^s.
         self.inference.bookkeeping(decision, self.eq6_error(enc, s, dreams), enc.usage, enc.alpha, mask, maskable)
         self.dreaming.stepped(t, self.model)  # every tau steps the snapshot is re-synced (paper §3.5)
@@ -217,9 +222,15 @@ class Learner:
 
     def mdl_term(self, enc: Encoded, decision: Decision, mask: torch.Tensor, maskable: torch.Tensor,
                  recon: torch.Tensor) -> tuple[dict[str, torch.Tensor], float]:
-        """Eq. 3 on the batch with the masked posterior of eq. 2, and the capacity target C(t)."""
+        """Eq. 3 on the batch with the masked posterior of eq. 2, and the capacity target: C(t), or a
+        new environment's own climb to it (`environment_capacity`, the rule own_capacity_ramp). The
+        climb starts at the KL the allocating batch carries, so that batch's target is its own KL,
+        a tensor until the logs' read (`training_step` records it)."""
         kl = masked_kl(enc.real.mu, enc.real.logvar, mask)
-        target = capacity(self.step, self.objective)
+        if decision.verdict == "new" and self.objective.new_env_ramp_steps:
+            target = kl.detach().mean()
+        else:
+            target = environment_capacity(self.step, self.capacity_starts.get(decision.env), self.objective)
         loss = mdl_loss(recon, kl, target, self.objective, self.fresh_shift(enc.real, mask, maskable, decision.env))
         return {"reconstruction": recon.mean(), "kl": kl.mean(), "mdl": loss}, target
 
@@ -352,6 +363,7 @@ class Learner:
             "optimizer": self.optimizer.state_dict(),
             "classifier_optimizer": self.classifier_optimizer.state_dict(),
             "inference": self.inference.state_dict(),  # with the slots: a^s, L_s, usage
+            "capacity_starts": dict(self.capacity_starts),
             "generator": self.generator.get_state(),
             "generator_device": self.device.type,
             "torch_rng": torch.get_rng_state(),
@@ -368,6 +380,7 @@ class Learner:
         if "masks" in d:  # the split layout: each slot's mask apart from the rest of it
             inference = from_split_layout(inference, d["masks"])
         self.inference.load_state_dict(inference)
+        self.capacity_starts = dict(d.get("capacity_starts", {}))  # absent in checkpoints of runs without it
         # A CPU generator's state cannot seed a CUDA one (different algorithms). Moved to another
         # kind of device, the run continues from a fresh stream derived from its seed and step:
         # it resumes, but not bit for bit (docs/devices.md).

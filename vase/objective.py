@@ -57,6 +57,21 @@ def capacity(step: int, cfg: ObjectiveConfig) -> float:
     return cfg.capacity_max * min(1.0, step / cfg.capacity_ramp_steps)
 
 
+def environment_capacity(step: int, start: tuple[int, float] | None, cfg: ObjectiveConfig) -> float:
+    """The capacity target of an environment allocated at step t_s carrying KL_s nats then, start = (t_s, KL_s).
+
+    With objective.new_env_ramp_steps = R > 0 [ours, the rule own_capacity_ramp]:
+    min(C(t), KL_s + C_max (t - t_s) / R), so a new environment whose known latents are masked grows
+    its capacity as the first one did instead of meeting C(t) at once. With R = 0, and for the first
+    environment (start None), it is C(t), eq. 3.
+    """
+    target = capacity(step, cfg)
+    if cfg.new_env_ramp_steps == 0 or start is None:
+        return target
+    t_s, kl_s = start
+    return min(target, kl_s + cfg.capacity_max * (step - t_s) / cfg.new_env_ramp_steps)
+
+
 def capacity_penalty(kl: torch.Tensor, target: float, form: str) -> torch.Tensor:
     """|KL - C|^2 (form "squared", eq. 8 of the paper and its poster) or |KL - C| (form "absolute",
     Burgess et al.'s CCI-VAE), of the batch's mean KL. The two have different units, so gamma is
@@ -70,7 +85,7 @@ def mdl_loss(recon: torch.Tensor, kl: torch.Tensor, target: float, cfg: Objectiv
     """Eq. 3 / eq. 8: E[-log p(x|z,s)] + gamma |KL - C|^2 (or |KL - C|, objective.capacity_form),
     means over the batch.
 
-    `target`: C(t) in nats (`capacity`).
+    `target`: C in nats, C(t) (`capacity`) or the environment's own target (`environment_capacity`).
     The entangled baseline is the plain VAE (beta = 1).
 
     `fresh_atypical`: the summed atypicality (eq. 4) of a new environment's fresh latents on this

@@ -8,8 +8,8 @@ hooks at defined points (`Rule`). A rule acts in one of two ways:
 - through hooks, for a rule that changes what eq. 6 decides or what a slot records;
 - through settings it owns (`as_printed`): left out of the set, each takes the value that gives
   the printed equation (`as_configured`), e.g. `inference.error_margin` 0 for kappa * L_s alone.
-  The objective's addition to eq. 3 (an [ours] term of `vase.objective.mdl_loss`) is a rule of
-  this kind.
+  The objective's additions to eq. 3 ([ours] terms, `vase.objective.mdl_loss` and
+  `environment_capacity`) are rules of this kind.
 """
 from __future__ import annotations
 
@@ -213,7 +213,7 @@ class LearntLatentsOnly(Rule):
         return inf.slots[env].learnt.clone()
 
 
-# -- the objective's addition to eq. 3 (read by `vase.objective`) -------------------------------------------
+# -- the objective's additions to eq. 3 (read by `vase.objective`) -------------------------------------------
 class FreshLatentPenalty(Rule):
     """In a new environment, gamma times the atypicality of its fresh latents (unmasked, used by no
     other slot) is added to eq. 3, so filler KL earns nothing (`vase.objective.mdl_loss`). Fixes: a
@@ -225,10 +225,23 @@ class FreshLatentPenalty(Rule):
     as_printed = {"objective.fresh_aggregate_weight": 0.0}
 
 
+class OwnCapacityRamp(Rule):
+    """A new environment's capacity target climbs from the KL it carries when allocated, at
+    `new_env_ramp_steps` pace, never above C(t) (`vase.objective.environment_capacity`). Fixes: at
+    the extended schedule, MNIST's new slot, its known latents masked, met C(t) = 25 nats at once,
+    and the pull on the shared encoder cost moving Fashion 19 points of identity in 2,000 steps
+    against 12 in "-" (docs/method.md). Setting: `objective.new_env_ramp_steps` (0 in the short
+    and long schedules, where the runs without it kept every figure)."""
+
+    name = "own_capacity_ramp"
+    settings = ("objective.new_env_ramp_steps",)
+    as_printed = {"objective.new_env_ramp_steps": 0}
+
+
 RULES: dict[str, type[Rule]] = {rule.name: rule for rule in (
     Debouncing, FrozenWhilePending, Hysteresis, SmoothedAtypicality,
     Settling, Information, ErrorMargin, SettledMasks,
-    OthersLatentsOnly, LearntLatentsOnly, FreshLatentPenalty,
+    OthersLatentsOnly, LearntLatentsOnly, FreshLatentPenalty, OwnCapacityRamp,
 )}
 RULE_SETS: dict[str, tuple[str, ...]] = {
     "vase": tuple(RULES),

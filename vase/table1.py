@@ -8,7 +8,7 @@ import json
 import math
 from pathlib import Path
 
-from vase.config_migrations import C_MAX_BEFORE_RECORDED, EQ8_DREAM_WEIGHTS, ramp_acted
+from vase.config_migrations import C_MAX_BEFORE_RECORDED, EQ8_DREAM_WEIGHTS
 from vase.config_sections import DreamConfig, ObjectiveConfig
 from vase.rules import RULES
 from vase.summary import latent_union
@@ -35,15 +35,22 @@ def probe_reading(result: dict) -> str:
     return (result.get("probes") or {}).get("reading", "mean")
 
 
-def _ramped(result: dict) -> bool:
-    return ramp_acted("S" in result["ablation"], result.get("mode"), result.get("rules", "vase"),
-                      result.get("rules_without", []))
+OWN_RAMP = "own_capacity_ramp"
 
 
-# Deleted rules (docs/method.md, rules beyond eq. 6) whose use an older results.json, one without
-# `rule_names`, shows: a row names them where a run used them, and a run left without one is
-# today's set.
-NAMED_WHEN_USED = {"own_capacity_ramp": _ramped}
+def own_ramp_used(result: dict) -> bool:
+    """Whether the rule own_capacity_ramp set a new environment's capacity target in the run: S on,
+    the capacity objective, the rule in the run's set and a ramp (`objective.new_env_ramp_steps`, 0
+    in the short and long schedules). results.json records the ramp; one written before it did and
+    before it recorded `rule_names` comes from a vase whose set held the rule with a ramp on by
+    default, and one with `rule_names` but no ramp from a vase that did not have the rule."""
+    if "S" not in result["ablation"] or result.get("mode") == "entangled":
+        return False
+    if "new_env_ramp_steps" in result:
+        return result["new_env_ramp_steps"] > 0 and OWN_RAMP in result.get("rule_names", [])
+    if "rule_names" in result:
+        return False
+    return result.get("rules", "vase") == "vase" and OWN_RAMP not in result.get("rules_without", [])
 # Deleted rules that acted only through a setting an older results.json records as on or off: rule
 # -> (that field, the note a row with S takes where it was on). In a run's set with the setting off
 # they changed nothing, so the row is not named "with" them.
@@ -69,11 +76,9 @@ def recorded_gamma(result: dict) -> float:
 
 
 def rules_used(result: dict) -> list[str]:
-    """The rules of a run's set, less those it left out: results.json's `rule_names`, or for an
-    older results.json the deleted rules of `NAMED_WHEN_USED` it used."""
-    if "rule_names" in result:
-        return result["rule_names"]
-    return [name for name, used in NAMED_WHEN_USED.items() if used(result)]
+    """The rules of a run's set, less those it left out: results.json's `rule_names` (none for an
+    older results.json, written while the set was the rules vase still has)."""
+    return result.get("rule_names", [])
 
 
 def row_label(result: dict) -> str:
@@ -84,8 +89,9 @@ def row_label(result: dict) -> str:
     `objective.capacity_clock`, since deleted), a returning environment's target ramped from its
     KL (`objective.return_ramp_steps`, since deleted), a snapshot that tau never
     re-syncs within the run (`dream.snapshot_every`), a snapshot also re-synced at allocations
-    (`dream.sync_at_allocation`; a results.json without it is such a run), a rule vase no longer
-    has that the run used (`rules_used`; a run left without it is named as today's set), eq. 7's
+    (`dream.sync_at_allocation`; a results.json without it is such a run), own_capacity_ramp where
+    its ramp acted (`own_ramp_used`), a rule vase no longer has that the run used (`rules_used`; a
+    run left without it is named as today's set), eq. 7's
     weights where they are not the defaults (`dream.encoder_weight`, `dream.decoder_weight`), dreams drawn
     from the snapshot's Bernoulli pixels (`dream.images`), q_psi trained with the rule
     `balanced_classifier` or eq. 6's error read less the images' entropy (the rule `model_error`),
@@ -94,7 +100,9 @@ def row_label(result: dict) -> str:
     `pending_batches_train`; a results.json without it is such a run)."""
     rules = result.get("rules", "vase")
     notes = [f"{rules} rules"] if "S" in result["ablation"] and rules != "vase" else []
-    notes += [f"without {name}" for name in result.get("rules_without", []) if name not in NAMED_WHEN_USED]
+    # own_capacity_ramp is named where its ramp acted (0 steps in the short and long schedules).
+    notes += [f"without {name}" for name in result.get("rules_without", []) if name != OWN_RAMP]
+    notes += [f"with {OWN_RAMP}"] if own_ramp_used(result) else []
     notes += [f"with {name}" for name in rules_used(result) if name not in RULES and name not in NAMED_BY_SETTING]
     capacity = result.get("mode") != "entangled"  # eq. 3's capacity term, not the plain VAE
     returns = capacity and "S" in result["ablation"]  # and environments that can return
