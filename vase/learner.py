@@ -221,7 +221,7 @@ class Learner:
         return self.mask(s).clone(), maskable  # all ones when A is off
 
     def mdl_term(self, enc: Encoded, decision: Decision, mask: torch.Tensor, maskable: torch.Tensor,
-                 recon: torch.Tensor) -> tuple[dict[str, torch.Tensor], float]:
+                 recon: torch.Tensor) -> tuple[dict[str, torch.Tensor], float | torch.Tensor]:
         """Eq. 3 on the batch with the masked posterior of eq. 2, and the capacity target: C(t), or a
         new environment's own climb to it (`environment_capacity`, the rule own_capacity_ramp). The
         climb starts at the KL the allocating batch carries, so that batch's target is its own KL,

@@ -231,7 +231,7 @@ class OwnCapacityRamp(Rule):
     the extended schedule, MNIST's new slot, its known latents masked, met C(t) = 25 nats at once,
     and the pull on the shared encoder cost moving Fashion 19 points of identity in 2,000 steps
     against 12 in "-" (docs/method.md). Setting: `objective.new_env_ramp_steps` (0 in the short
-    and long schedules, where the runs without it kept every figure)."""
+    and long schedules, where the runs without it kept every end figure we judge by)."""
 
     name = "own_capacity_ramp"
     settings = ("objective.new_env_ramp_steps",)
