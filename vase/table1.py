@@ -51,6 +51,8 @@ def own_ramp_used(result: dict) -> bool:
     if "rule_names" in result:
         return False
     return result.get("rules", "vase") == "vase" and OWN_RAMP not in result.get("rules_without", [])
+
+
 # Deleted rules that acted only through a setting an older results.json records as on or off: rule
 # -> (that field, the note a row with S takes where it was on). In a run's set with the setting off
 # they changed nothing, so the row is not named "with" them.
