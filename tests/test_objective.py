@@ -232,6 +232,9 @@ def test_a_new_environment_ramps_its_own_capacity_from_the_kl_it_carries():
     assert environment_capacity(5000, (4000, 2.0), cfg) == 25.0  # never above C(t)
     assert environment_capacity(2000, (1900, 30.0), cfg) == pytest.approx(25.0 * 2000 / 3000)
     assert environment_capacity(300, None, cfg) == pytest.approx(2.5)  # the first environment: C(t)
+    # The allocating batch's own KL, still a tensor: the same climb, never above C(t).
+    assert float(environment_capacity(4000, (4000, torch.tensor(2.0)), cfg)) == 2.0
+    assert float(environment_capacity(2000, (2000, torch.tensor(30.0)), cfg)) == pytest.approx(25.0 * 2000 / 3000)
 
 
 def test_an_unknown_schedule_is_refused():

@@ -164,7 +164,7 @@ class Learner:
         values = self.update(losses, enc, s, dreams, self.inference.learns(decision))
         if decision.verdict == "new":  # where own_capacity_ramp starts s's target: the KL read with the logs
             self.capacity_starts[s] = (t, values["kl"])
-            target = values["kl"] if torch.is_tensor(target) else target
+            target = environment_capacity(t, self.capacity_starts[s], self.objective)  # the same, as a number
         # Eq. 5-6's statistics of s: L_s, its latent use, then a^s.
         self.inference.bookkeeping(decision, self.eq6_error(enc, s, dreams), enc.usage, enc.alpha, mask, maskable)
         self.dreaming.stepped(t, self.model)  # every tau steps the snapshot is re-synced (paper §3.5)
@@ -224,13 +224,12 @@ class Learner:
                  recon: torch.Tensor) -> tuple[dict[str, torch.Tensor], float | torch.Tensor]:
         """Eq. 3 on the batch with the masked posterior of eq. 2, and the capacity target: C(t), or a
         new environment's own climb to it (`environment_capacity`, the rule own_capacity_ramp). The
-        climb starts at the KL the allocating batch carries, so that batch's target is its own KL,
-        a tensor until the logs' read (`training_step` records it)."""
+        climb starts at the KL the allocating batch carries, a tensor until the logs' read
+        (`training_step` records it)."""
         kl = masked_kl(enc.real.mu, enc.real.logvar, mask)
-        if decision.verdict == "new" and self.objective.new_env_ramp_steps:
-            target = kl.detach().mean()
-        else:
-            target = environment_capacity(self.step, self.capacity_starts.get(decision.env), self.objective)
+        new = decision.verdict == "new"  # the first environment (verdict "first") follows C(t)
+        start = (self.step, kl.detach().mean()) if new else self.capacity_starts.get(decision.env)
+        target = environment_capacity(self.step, start, self.objective)
         loss = mdl_loss(recon, kl, target, self.objective, self.fresh_shift(enc.real, mask, maskable, decision.env))
         return {"reconstruction": recon.mean(), "kl": kl.mean(), "mdl": loss}, target
 

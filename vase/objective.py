@@ -57,19 +57,22 @@ def capacity(step: int, cfg: ObjectiveConfig) -> float:
     return cfg.capacity_max * min(1.0, step / cfg.capacity_ramp_steps)
 
 
-def environment_capacity(step: int, start: tuple[int, float] | None, cfg: ObjectiveConfig) -> float:
+def environment_capacity(step: int, start: tuple[int, float | torch.Tensor] | None,
+                         cfg: ObjectiveConfig) -> float | torch.Tensor:
     """The capacity target of an environment allocated at step t_s carrying KL_s nats then, start = (t_s, KL_s).
 
     With objective.new_env_ramp_steps = R > 0 [ours, the rule own_capacity_ramp]:
     min(C(t), KL_s + C_max (t - t_s) / R), so a new environment whose known latents are masked grows
     its capacity as the first one did instead of meeting C(t) at once. With R = 0, and for the first
-    environment (start None), it is C(t), eq. 3.
+    environment (start None), it is C(t), eq. 3. KL_s may be a 0-d tensor (the allocating batch's
+    own KL, not yet read to the host); the target is then one too.
     """
     target = capacity(step, cfg)
     if cfg.new_env_ramp_steps == 0 or start is None:
         return target
     t_s, kl_s = start
-    return min(target, kl_s + cfg.capacity_max * (step - t_s) / cfg.new_env_ramp_steps)
+    climb = kl_s + cfg.capacity_max * (step - t_s) / cfg.new_env_ramp_steps
+    return torch.clamp(climb, max=target) if torch.is_tensor(climb) else min(target, climb)
 
 
 def capacity_penalty(kl: torch.Tensor, target: float, form: str) -> torch.Tensor:
