@@ -323,7 +323,11 @@ def _typicality(run_dir: Path, steps: str, batches: int, as_json: bool, device) 
               help="Write the markdown results page (docs/results.md) to this file.")
 @click.option("--readme", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Rewrite this file's results block, between <!-- results:begin --> and <!-- results:end -->.")
-def table(run_dirs, as_json, markdown, output, readme):
+@click.option("--in-progress", "in_progress", is_flag=True,
+              help="Also read runs still training, each at its newest checkpoint: MAX over the environments "
+                   "begun, CHANGE over the stages ended; their rows are named 'in progress' (docs/usage.md).")
+@_device_option()
+def table(run_dirs, as_json, markdown, output, readme, in_progress, device):
     """Table 1 from finished runs: one row per ablation and mode, mean (±std) over their seeds.
 
     Give the run directories of a grid, e.g. `vase table runs/*`. Runs of different sequences
@@ -335,7 +339,10 @@ def table(run_dirs, as_json, markdown, output, readme):
 
     dirs = sorted(Path(d) for d in run_dirs)
     try:
-        rows = table1_rows(load_results(dirs))
+        if in_progress and (output or readme):
+            raise VaseError("--output and --readme write the committed results from finished runs; "
+                            "print a table of runs in progress without them")
+        rows = table1_rows(load_results(dirs, in_progress, _resolve_device(device) if in_progress else "cpu"))
         if output:
             Path(output).write_text(results_page(rows, dirs, Path(output)))
             click.echo(f"wrote {output}")

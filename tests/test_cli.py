@@ -449,3 +449,58 @@ def test_table_refuses_a_folder_that_is_not_a_run(tmp_path):
     result = CliRunner().invoke(main, ["table", str(tmp_path)])
     assert result.exit_code != 0
     assert "results.json not found" in result.output
+
+
+def test_table_names_runs_in_progress_and_keeps_them_from_the_committed_tables(tmp_path):
+    """A run read before its end is a row of its own, with the step each seed reached; the committed
+    results page and README block are never written from one."""
+    from vase.table1 import table1_rows, table1_text
+
+    table1 = {"object_id_max": 0.5, "object_id_change": -0.1, "position_min": 0.004, "position_change": 0.001}
+    base = {"mode": "disentangled", "ablation": "SDA", "sequence": ["moving_fashion", "mnist"],
+            "environments_inferred": 2, "probes": {"table1": table1}}
+    runs = [base | {"seed": 0}, base | {"seed": 1, "in_progress": {"step": 7000, "steps": 24000}},
+            base | {"seed": 2, "in_progress": {"step": 24000, "steps": 24000}}]  # read at its last step: finished
+    rows = table1_rows(runs)
+    assert [row["seeds"] for row in rows] == [[0, 2], [1]]
+    assert rows[1]["ablation"] == rows[0]["ablation"][:-1] + ", in progress)"
+    assert "  in progress: seed 1 at step 7,000 of 24,000 (MAX over the environments begun" in table1_text(rows)
+    folder = _fake_run(tmp_path / "a", 0, "SDA", table1, [[0]])
+    fails_in_one_line(CliRunner().invoke(main, ["table", "--in-progress", "--output", str(tmp_path / "r.md"),
+                                                str(folder)]), "--output and --readme", "finished runs")
+
+
+@pytest.mark.slow
+def test_table_reads_a_run_in_progress_at_its_checkpoint(sprite_run, tmp_path):
+    """Read at its last checkpoint, a run gives its own results.json's Table 1; read at the first
+    stage's end, Table 1 covers the first environment alone (the others' MAX would be zero-shot)."""
+    from vase.in_progress import is_in_progress, results_so_far
+    from vase.table1 import row_label
+
+    run, result = sprite_run
+    assert result.exit_code == 0, result.output
+    finished = json.loads((run / "results.json").read_text())
+    copy = tmp_path / "in-progress"
+    shutil.copytree(run, copy)
+    (copy / "results.json").unlink()
+    fails_in_one_line(CliRunner().invoke(main, ["table", str(copy)]), "results.json not found", "--in-progress")
+
+    end = results_so_far(copy)
+    assert end["probes"]["table1"] == finished["probes"]["table1"]
+    assert end["inferred_vs_true"] == finished["inferred_vs_true"]
+    assert end["environments_true"] == finished["environments_true"] == 3
+    assert not is_in_progress(end) and row_label(end) == row_label(finished)
+    printed = invoke(["table", "--in-progress", str(copy)])
+    assert printed.exit_code == 0 and "in progress" not in printed.output
+
+    first = results_so_far(copy, step=STEPS)
+    assert first["in_progress"] == {"step": STEPS, "steps": 3 * STEPS} and is_in_progress(first)
+    history = [h for h in finished["probes"]["history"] if h["step"] <= STEPS]
+    assert first["probes"]["history"] == history
+    table1 = first["probes"]["table1"]
+    assert [c["env_index"] for c in table1["curves"]] == [0, 0]
+    assert table1["object_id_max"] == max(h["values"]["object_id/moving_shapes_a"] for h in history)
+    assert table1["position_min"] == min(h["values"]["position_mse/moving_shapes_a"] for h in history)
+    assert table1["object_id_change"] is None and table1["position_change"] is None  # no reading after its end
+    assert first["environments_true"] == 1 and len(first["inferred_vs_true"]) == 1
+    assert row_label(first).endswith("in progress)")

@@ -252,14 +252,17 @@ class ProbeSuite:
             )
         return curves
 
-    def results(self) -> dict:
+    def results(self, begun: int | None = None) -> dict:
         """JSON-serialisable summary: history, boundaries, R matrices, Table 1, forgetting and BWT.
 
         Values are raw (accuracy in [0, 1], MSE in squared position units); NaN becomes None.
         Matrices, forgetting and BWT are keyed by Table 1 group ("object_id", "position").
+        ``begun``: Table 1 over the first ``begun`` environments only, those a run in progress has
+        begun to train; a later one's MAX would be its zero-shot reading (docs/probes.md).
         """
         ends = self.env_end_steps()
         curves = self.curves()
+        begun_curves = [c for c in curves if begun is None or c.env_index < begun]
         matrices = {kind: probe_matrix(curves, ends, kind) for kind in KINDS}
         return _json_safe(
             {
@@ -269,7 +272,7 @@ class ProbeSuite:
                 "history": [{"step": step, "values": values} for step, values in self.history],
                 "boundaries": ends,
                 "matrix": {TABLE1_PREFIX[k]: m.tolist() for k, m in matrices.items()},
-                "table1": table1_stats(curves, ends),
+                "table1": table1_stats(begun_curves, ends),
                 "forgetting": {TABLE1_PREFIX[k]: average_forgetting(m, k) for k, m in matrices.items()},
                 "bwt": {TABLE1_PREFIX[k]: backward_transfer(m, k) for k, m in matrices.items()},
             }

@@ -10,21 +10,30 @@ from pathlib import Path
 
 from vase.config_migrations import C_MAX_BEFORE_RECORDED, EQ8_DREAM_WEIGHTS
 from vase.config_sections import DreamConfig, ObjectiveConfig
+from vase.in_progress import is_in_progress
 from vase.rules import RULES
 from vase.summary import latent_union
 
 
-def load_results(run_dirs: list[Path]) -> list[dict]:
-    """The results.json of each finished run, with a clear error for a folder that is not one."""
+def load_results(run_dirs: list[Path], in_progress: bool = False, device="cpu") -> list[dict]:
+    """The results.json of each finished run, with a clear error for a folder that is not one; with
+    `in_progress`, a run still training is read at its newest checkpoint (`vase.in_progress`)."""
+    from vase.checkpoint import has_checkpoint
     from vase.errors import VaseError
+    from vase.in_progress import results_so_far
 
     out = []
     for run_dir in run_dirs:
         path = Path(run_dir) / "results.json"
+        if in_progress and not path.exists() and has_checkpoint(Path(run_dir)):
+            out.append(results_so_far(Path(run_dir), device=device))
+            continue
         try:
             out.append(json.loads(path.read_text()))
         except FileNotFoundError as e:
-            raise VaseError(f"{path} not found: is {run_dir} a finished vase run?") from e
+            hint = "" if in_progress or not has_checkpoint(Path(run_dir)) else \
+                " It has checkpoints: --in-progress reads a run still training at its newest."
+            raise VaseError(f"{path} not found: is {run_dir} a finished vase run?{hint}") from e
         except ValueError as e:
             raise VaseError(f"{path} is not valid JSON ({e})") from e
     return out
@@ -132,6 +141,8 @@ def row_label(result: dict) -> str:
     in_set = "frozen_while_pending" not in result.get("rules_without", [])
     if "S" in result["ablation"] and in_set and result.get("pending_batches_train", True):
         notes.append("pending batches trained")
+    if is_in_progress(result):  # never averaged with finished seeds
+        notes.append("in progress")
     return result["ablation"] + (f" ({', '.join(notes)})" if notes else "")
 
 
@@ -185,6 +196,7 @@ def table1_rows(results: list[dict]) -> list[dict]:
             "capacity_ramp_steps": ramp,
             "capacity_max": capacity_max,
             "steps_per_env": [r.get("steps_per_env") for r in runs],
+            "in_progress": [r.get("in_progress") if is_in_progress(r) else None for r in runs],
             "heldout": _heldout_over_seeds([heldout_retention(r) for r in runs]),
         })
     return rows
@@ -250,6 +262,11 @@ def table1_text(rows: list[dict]) -> str:
             starred = starred or any(c.endswith("*") for c in counts)
             envs = "/".join(counts)
             lines.append(f"  {cells} | {','.join(map(str, row['seeds']))} | {envs} | {used} / {info}")
+            reached = [f"seed {seed} at step {state['step']:,} of {state['steps']:,}"
+                       for seed, state in zip(row["seeds"], row["in_progress"]) if state]
+            if reached:
+                lines.append(f"  in progress: {'; '.join(reached)} (MAX over the environments begun, CHANGE over "
+                             "the stages ended)")
             if len(set(row["seeds"])) < len(row["seeds"]):
                 lines.append(f"  note: {row['ablation']} has repeated seeds; are two runs the same experiment?")
     legend = "mean (±std) over seeds; per-seed values are separated by '/'"
