@@ -205,6 +205,10 @@ _FLAG_NAMES = {"overrides": "set", "branch_dir": "branch", "branch_step": "at"}
 @click.option("--by-latent", is_flag=True,
               help="With --own-slot: split the encoder's drift over the latents: the error from the older codes "
                    "with one latent at a time given today's code (docs/method.md).")
+@click.option("--readouts", type=int, default=None, metavar="STEP",
+              help="Instead: object identity from mu(x) of the encoder saved at STEP, read by the probe's linear "
+                   "classifier on 2,000 and on 20,000 training images, by k nearest neighbours and by an MLP: "
+                   "whether the code or the linear probe limits the ID columns (docs/method.md).")
 @click.option("--classifier", is_flag=True,
               help="Instead: at the newest checkpoint, q_psi's mean q(s|x) on each environment's held-out "
                    "images and on dreams of each slot, the slot it names for each batch, and eq. 6's tests of "
@@ -228,15 +232,16 @@ _FLAG_NAMES = {"overrides": "set", "branch_dir": "branch", "branch_step": "at"}
               help="The code the probes read: mean, mu(x) of every latent; or sample, the paper's reading, "
                    "the masked posterior under the slot q_psi picks (docs/probes.md). Default: the run's own.")
 @_device_option()
-def evaluate(run_dir, as_json, steps, batches, own_slot, by_latent, classifier, also, step, replay, count, latents,
-             reading, device):
+def evaluate(run_dir, as_json, steps, batches, own_slot, by_latent, readouts, classifier, also, step, replay, count,
+             latents, reading, device):
     """Recompute probes and metrics from a run's checkpoints and print them."""
     from vase.evaluation import evaluate_run, own_slot_errors_by_encoder, own_slot_text
     from vase.summary import summary_text
 
     try:
         given = [name for name, on in (("--atypicality", steps is not None), ("--own-slot", own_slot is not None),
-                                       ("--classifier", classifier), ("--replay", replay is not None)) if on]
+                                       ("--readouts", readouts is not None), ("--classifier", classifier),
+                                       ("--replay", replay is not None)) if on]
         if len(given) > 1:
             raise VaseError(f"{' and '.join(given)} are separate readings: give one at a time")
         count_given = click.get_current_context().get_parameter_source("count") != click.core.ParameterSource.DEFAULT
@@ -251,6 +256,8 @@ def evaluate(run_dir, as_json, steps, batches, own_slot, by_latent, classifier, 
                             "checkpoint")
         if also is not None and not classifier:
             raise VaseError("--also goes with --classifier: it adds environments to q_psi's reading")
+        if readouts is not None:
+            return _readouts(Path(run_dir), readouts, as_json, _resolve_device(device))
         if classifier:
             return _slot_picks(Path(run_dir), step, tuple(comma_list(also or "")), as_json, _resolve_device(device))
         if steps is not None:
@@ -302,6 +309,14 @@ def _replay(run_dir: Path, step: int, count: int, latents: str | None, as_json: 
     shown = _integers("--latents", latents, "latents", "1,8,16") if latents is not None else None
     rows = replay(run_dir, step, count, shown, device=device)
     click.echo(json.dumps([row.as_dict() for row in rows], indent=2) if as_json else replay_text(rows))
+
+
+def _readouts(run_dir: Path, step: int, as_json: bool, device) -> None:
+    from vase.readouts import readouts_text, run_readouts
+
+    cfg = load_run_config(run_dir, trains=False)
+    rows = run_readouts(run_dir, cfg, step, device, echo=lambda line: click.echo(line, err=True))
+    click.echo(json.dumps([row.as_dict() for row in rows], indent=2) if as_json else readouts_text(rows))
 
 
 def _typicality(run_dir: Path, steps: str, batches: int, as_json: bool, device) -> None:

@@ -249,6 +249,25 @@ def test_eval_atypicality_reads_every_environment_under_each_saved_encoder(sprit
 
 
 @pytest.mark.slow
+def test_eval_readouts_read_each_environments_identity_four_ways(sprite_run):
+    run, result = sprite_run
+    assert result.exit_code == 0, result.output
+    out = invoke(["eval", str(run), "--readouts", "20", "--json"])
+    assert out.exit_code == 0, out.output
+    rows = json.loads(out.stdout)
+    assert [r["environment"] for r in rows] == ["moving_shapes_a", "shapes_b", "moving_shapes_b"]
+    for r in rows:  # 200 training sprites each (TINY): all of them, and the probe's 50 for the first read-out
+        assert (r["step"], r["probe_images"], r["more_images"]) == (20, 50, 200)
+        assert all(0.0 <= r[key] <= 1.0 for key in ("linear", "linear_more", "neighbours", "mlp"))
+        assert len(r["nats"]) == 24 and min(r["nats"]) >= 0.0 and sum(r["nats"]) > 0.0
+    text = invoke(["eval", str(run), "--readouts", "20"]).stdout
+    assert "encoder saved at step 20" in text and "moving_shapes_b" in text
+    fails_in_one_line(CliRunner().invoke(main, ["eval", str(run), "--readouts", "25"]), "no saved encoder of step 25")
+    fails_in_one_line(CliRunner().invoke(main, ["eval", str(run), "--readouts", "20", "--classifier"]),
+                      "separate readings")
+
+
+@pytest.mark.slow
 def test_eval_classifier_reads_q_psi_on_each_environment_and_on_each_slots_dreams(sprite_run):
     run, result = sprite_run
     assert result.exit_code == 0, result.output

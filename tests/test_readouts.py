@@ -1,0 +1,52 @@
+"""The read-outs of `vase eval --readouts` tell a code that lacks identity from one that holds it
+nonlinearly (docs/method.md, "The regime")."""
+import numpy as np
+
+from vase.readouts import Readout, readout_accuracies, readouts_text
+
+
+def _rings(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Three classes on concentric rings in two latents (no line separates them), plus a noise latent."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 3, n)
+    angle = rng.uniform(0, 2 * np.pi, n)
+    radius = 1.0 + labels + rng.normal(0, 0.1, n)
+    codes = np.column_stack([radius * np.cos(angle), radius * np.sin(angle), rng.normal(size=(n, 1))])
+    return codes, labels
+
+
+def test_nonlinear_read_outs_find_identity_that_no_line_separates():
+    codes, labels = _rings(3000, 0)
+    test_codes, test_labels = _rings(600, 1)
+    acc = readout_accuracies(codes, labels, test_codes, test_labels, probe_images=500, seed=0)
+    assert acc["linear"] < 0.6 and acc["linear_more"] < 0.6  # chance is 1/3
+    assert acc["neighbours"] > 0.95 and acc["mlp"] > 0.95
+
+
+def test_a_code_without_identity_stays_at_chance_under_every_read_out():
+    rng = np.random.default_rng(2)
+    codes, test_codes = rng.normal(size=(3000, 6)), rng.normal(size=(600, 6))
+    labels, test_labels = rng.integers(0, 3, 3000), rng.integers(0, 3, 600)
+    acc = readout_accuracies(codes, labels, test_codes, test_labels, probe_images=500, seed=0)
+    assert all(abs(value - 1 / 3) < 0.08 for value in acc.values()), acc
+
+
+def test_the_first_linear_read_out_fits_only_the_probes_number_of_images():
+    """With two images per class the linear read-out is far worse than with all of them, on a
+    linearly separable code, so it must be fitting the first `probe_images` alone."""
+    rng = np.random.default_rng(3)
+    labels, test_labels = rng.integers(0, 10, 4000), rng.integers(0, 10, 800)
+    centres = rng.normal(0, 1.0, (10, 8))
+    codes = centres[labels] + rng.normal(0, 0.6, (4000, 8))
+    test_codes = centres[test_labels] + rng.normal(0, 0.6, (800, 8))
+    acc = readout_accuracies(codes, labels, test_codes, test_labels, probe_images=20, seed=0)
+    assert acc["linear_more"] > 0.9 and acc["linear"] < acc["linear_more"] - 0.1
+
+
+def test_the_text_names_each_environment_and_its_image_counts():
+    rows = [Readout(60000, "moving_fashion", 2000, 20000, 0.612, 0.634, 0.651, 0.694, [0.05, 6.9, 0.0, 5.1])]
+    text = readouts_text(rows)
+    assert "step 60000" in text
+    assert "moving_fashion   | 61.2 (2,000)          | 63.4 (20,000) | 65.1       | 69.4" in text
+    assert "moving_fashion   | total 12.1: z1 6.9, z3 5.1" in text  # z0's 0.05 nat is below the line
+    assert readouts_text([]).startswith("no environment")
