@@ -484,6 +484,14 @@ def test_table_names_runs_in_progress_and_keeps_them_from_the_committed_tables(t
     assert [row["seeds"] for row in rows] == [[0, 2], [1]]
     assert rows[1]["ablation"] == rows[0]["ablation"][:-1] + ", in progress)"
     assert "  in progress: seed 1 at step 7,000 of 24,000 (MAX over the environments begun" in table1_text(rows)
+    from vase.report import table1_markdown
+
+    for row in rows:  # as results.json gives them
+        row.update(preset=[None] * len(row["seeds"]), steps_per_env=[[12000, 12000]] * len(row["seeds"]))
+    markdown = table1_markdown(rows)
+    assert (f"In progress (MAX over the environments begun, CHANGE over the stages ended): {rows[1]['ablation']}: "
+            "seed 1 at step 7,000 of 24,000.") in markdown
+    assert markdown.count("In progress") == 1
     folder = _fake_run(tmp_path / "a", 0, "SDA", table1, [[0]])
     fails_in_one_line(CliRunner().invoke(main, ["table", "--in-progress", "--output", str(tmp_path / "r.md"),
                                                 str(folder)]), "--output and --readme", "finished runs")

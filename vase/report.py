@@ -81,7 +81,7 @@ def table1_markdown(rows: list[dict]) -> str:
     beside them on the paper's sequence."""
     from vase.grid import PAPER_SEQUENCE
     from vase.metrics.continual import format_table1_row, table1_header
-    from vase.table1 import WRONG_SLOTS_NOTE, environment_counts
+    from vase.table1 import IN_PROGRESS_COVERS, WRONG_SLOTS_NOTE, environment_counts, in_progress_note
 
     out = []
     for mode, sequence, group in _groups(rows):
@@ -109,6 +109,9 @@ def table1_markdown(rows: list[dict]) -> str:
             out.append(_md_row(line))
         if marked:
             out += ["", "\\" + WRONG_SLOTS_NOTE]
+        notes = [f"{row['ablation']}: {in_progress_note(row)}" for row in group if in_progress_note(row)]
+        if notes:
+            out += ["", f"In progress ({IN_PROGRESS_COVERS}): " + "; ".join(notes) + "."]
         out.append("")
     return "\n".join(out).rstrip() + "\n"
 

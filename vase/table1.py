@@ -246,6 +246,16 @@ def _count(latents: list[int] | None) -> int | None:
     return None if latents is None else len(latents)
 
 
+IN_PROGRESS_COVERS = "MAX over the environments begun, CHANGE over the stages ended"
+
+
+def in_progress_note(row: dict) -> str | None:
+    """The step each seed of a row in progress had reached; None for a row of finished runs."""
+    reached = [f"seed {seed} at step {state['step']:,} of {state['steps']:,}"
+               for seed, state in zip(row["seeds"], row.get("in_progress") or []) if state]
+    return "; ".join(reached) or None
+
+
 def table1_text(rows: list[dict]) -> str:
     from vase.metrics.continual import format_table1_row, table1_header
 
@@ -262,11 +272,9 @@ def table1_text(rows: list[dict]) -> str:
             starred = starred or any(c.endswith("*") for c in counts)
             envs = "/".join(counts)
             lines.append(f"  {cells} | {','.join(map(str, row['seeds']))} | {envs} | {used} / {info}")
-            reached = [f"seed {seed} at step {state['step']:,} of {state['steps']:,}"
-                       for seed, state in zip(row["seeds"], row["in_progress"]) if state]
-            if reached:
-                lines.append(f"  in progress: {'; '.join(reached)} (MAX over the environments begun, CHANGE over "
-                             "the stages ended)")
+            progress = in_progress_note(row)
+            if progress:
+                lines.append(f"  in progress: {progress} ({IN_PROGRESS_COVERS})")
             if len(set(row["seeds"])) < len(row["seeds"]):
                 lines.append(f"  note: {row['ablation']} has repeated seeds; are two runs the same experiment?")
     legend = "mean (±std) over seeds; per-seed values are separated by '/'"
