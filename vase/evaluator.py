@@ -290,7 +290,9 @@ class Evaluator(Callback):
         return self._slot_tables[1:]
 
     # -- results.json ------------------------------------------------------------------------------------
-    def results(self) -> dict:
+    def results(self, begun: int | None = None) -> dict:
+        """What results.json holds; `begun` limits Table 1 to the environments a run in progress
+        has begun (`ProbeSuite.results`, `vase.in_progress`)."""
         inferred = self.inferred_environments()
         _, use, cross = self.slot_tables()
         cfg, learner = self.cfg, self.learner
@@ -337,5 +339,5 @@ class Evaluator(Callback):
             "dream_coverage": self.record.dream_coverage,
         }
         if self.probes:
-            out["probes"] = self.probes.results()
+            out["probes"] = self.probes.results(begun)
         return out

@@ -25,9 +25,7 @@ def results_so_far(run_dir: Path, step: int | None = None, device: torch.device 
     evaluator = open_run(Path(run_dir), step, device=device)
     done, total = evaluator.learner.step, evaluator.stream.total_steps
     begun = evaluator.stream.env_index(done - 1) + 1 if done else 0
-    out = evaluator.results()
-    if evaluator.probes:
-        out["probes"] = evaluator.probes.results(begun)
+    out = evaluator.results(begun)
     out["environments_true"] = len(set(evaluator.cfg.data.sequence[:begun]))
     out["in_progress"] = {"step": done, "steps": total}
     return out

@@ -71,13 +71,15 @@ def readout_accuracies(codes: np.ndarray, labels: np.ndarray, test_codes: np.nda
     }
 
 
-def code_nats(env, indices: np.ndarray, encode: FrozenEncoder) -> list[float]:
-    """The mean KL to the prior of each latent (nats) on env's items at `indices`."""
-    total = 0.0
+def codes_and_nats(env, indices: np.ndarray, encode: FrozenEncoder) -> tuple[np.ndarray, list[float]]:
+    """μ(x) of env's items at `indices` (as `encode_indices` gives it) and the mean KL to the prior of
+    each latent (nats) on them, from one pass of the encoder."""
+    mus, total = [], 0.0
     for start in range(0, len(indices), ENCODE_CHUNK):
         post = encode.posterior(env.batch(torch.as_tensor(indices[start:start + ENCODE_CHUNK], dtype=torch.long)))
+        mus.append(post.mu.double().cpu().numpy())
         total = total + kl_per_latent(post.mu.double(), post.logvar.double()).sum(0)
-    return (total / len(indices)).tolist()
+    return np.concatenate(mus), (total / len(indices)).tolist()
 
 
 def run_readouts(run_dir: Path, cfg: Config, step: int, device: torch.device | str = "cpu",
@@ -98,12 +100,12 @@ def run_readouts(run_dir: Path, cfg: Config, step: int, device: torch.device | s
         train = load_environment(name, "train", cfg.data, progress=False)
         _, held_out = draw_probe_sets(len(test), cfg.probe.train_size, cfg.probe.test_size, cfg.probe.seed + i)
         chosen = np.random.default_rng(cfg.probe.seed + i).permutation(len(train))[:MORE_IMAGES]
+        probe_images = min(cfg.probe.train_size, len(chosen))
+        test_codes, nats = codes_and_nats(test, held_out, encode)
         accuracies = readout_accuracies(
             encode_indices(train, chosen, encode), np.asarray(train.factors["class"])[chosen],
-            encode_indices(test, held_out, encode), np.asarray(test.factors["class"])[held_out],
-            min(cfg.probe.train_size, len(chosen)), cfg.probe.seed + i)
-        rows.append(Readout(step, name, min(cfg.probe.train_size, len(chosen)), len(chosen), **accuracies,
-                            nats=code_nats(test, held_out, encode)))
+            test_codes, np.asarray(test.factors["class"])[held_out], probe_images, cfg.probe.seed + i)
+        rows.append(Readout(step, name, probe_images, len(chosen), **accuracies, nats=nats))
     return rows
 
 
