@@ -361,6 +361,39 @@ def test_counterfactuals_count_the_batches_a_rule_decided_and_only_those():
     assert with_rules(names, cfg).activity == {}  # off by default
 
 
+def test_counterfactuals_count_the_most_batches_in_a_row_a_rule_decided():
+    """Kappa 1.5, margin 25, L_s the last batch's error: 160 after 100 and 250 after 160 pass only
+    with the margin, 300 after 250 passes without it and ends the run, 460 after 300 passes only
+    with the margin again."""
+    cfg = case_config()
+    cfg.inference.counterfactuals = True
+    inf = with_rules(("debouncing", "frozen_while_pending", "error_margin"), cfg)
+    thresholds = []
+    for step, error in enumerate([100.0, 160.0, 250.0, 300.0, 460.0]):
+        if step:
+            thresholds.append(inf.cfg.kappa * inf.slots[0].error)
+        assert decide(inf, step, error).verdict in ("first", "same")
+    without_margin = [e > t for e, t in zip([160.0, 250.0, 300.0, 460.0], thresholds)]
+    assert without_margin == [True, True, False, True]
+    count = inf.activity["error_margin"]
+    assert (count["changed"], count["longest"], count["longest_last_step"], count["in_a_row"]) == (3, 2, 2, 1)
+    assert count["counted_from"] == 1 and inf.activity["debouncing"]["longest"] == 0
+
+
+def test_a_count_without_runs_in_a_row_counts_them_from_its_resume():
+    cfg = case_config()
+    cfg.inference.counterfactuals = True
+    inf = with_rules(("debouncing", "error_margin"), cfg)
+    decide(inf, 0, 100.0)
+    state = inf.state_dict()
+    state["rule_activity"] = {"error_margin": {"changed": 7, "first_step": 3, "last_step": 9}}
+    inf.load_state_dict(state)
+    decide(inf, 10, 160.0)
+    count = inf.activity["error_margin"]
+    assert (count["changed"], count["first_step"], count["last_step"]) == (8, 3, 10)
+    assert (count["longest"], count["counted_from"]) == (1, 10)
+
+
 def test_counting_counterfactuals_changes_no_decision_and_no_state():
     stream = [100.0, 160.0, 1000.0, 1000.0, 1000.0, {0: 1000.0, 1: 90.0}, 140.0]
     runs = []
@@ -397,5 +430,10 @@ def test_the_summary_names_the_batches_each_rule_decided():
                "rule_activity": {"debouncing": {"changed": 2, "first_step": 1, "last_step": 2},
                                  "error_margin": {"changed": 0, "first_step": None, "last_step": None}}}
     assert "debouncing 2 (steps 1-2), error_margin 0" in summary_text(results, Path("run"))
+    results["rule_activity"]["debouncing"].update(longest=2, longest_last_step=2, counted_from=1)
+    assert "debouncing 2 (steps 1-2, at most 2 in a row (to step 2)), error_margin 0" in summary_text(
+        results, Path("run"))
+    results["rule_activity"]["debouncing"]["counted_from"] = 2  # resumed from a count without the runs
+    assert "at most 2 in a row (to step 2; counted from step 2)" in summary_text(results, Path("run"))
     results["rule_activity"] = {}  # off
     assert "decided" not in summary_text(results, Path("run"))

@@ -55,6 +55,14 @@ class Decision:
         return self.verdict in ("first", "switch", "new", "full")
 
 
+def fresh_activity() -> dict:
+    """One rule's counterfactual count (inference.counterfactuals): the batches the set without it
+    decided otherwise, their first and last step, and the longest run of them in a row, counted
+    from `counted_from` (a run resumed from a count without it counts from the resume)."""
+    return {"changed": 0, "first_step": None, "last_step": None,
+            "in_a_row": 0, "longest": 0, "longest_last_step": None, "counted_from": None}
+
+
 class EnvironmentInference:
     """S on: eq. 6 over the environments allocated so far, with the hooks of its rule set.
 
@@ -82,7 +90,7 @@ class EnvironmentInference:
         # hooks and its settings as printed), and the batches on which that set decided otherwise.
         self.shadows = {name: self.without(cfg, name) for name in rules.VERDICT_RULES
                         if self.cfg.counterfactuals and self.with_s and name in self.rule_names}
-        self.activity = {name: {"changed": 0, "first_step": None, "last_step": None} for name in self.shadows}
+        self.activity = {name: fresh_activity() for name in self.shadows}
 
     def without(self, cfg: Config, name: str):
         """The hooks and inference settings of this rule set less the rule `name`."""
@@ -219,15 +227,25 @@ class EnvironmentInference:
         return "new", self.n_envs, tested
 
     def count_counterfactuals(self, step: int, verdict: str, env: int, evidence: Evidence) -> None:
-        """inference.counterfactuals: the batches on which the set without a rule decides otherwise."""
+        """inference.counterfactuals: the batches on which the set without a rule decides otherwise,
+        and the most of them in a row. The set without a rule reads this run's pending count, so a
+        batch it would fail is "pending" there; `patience` of them in a row would have allocated a
+        slot in the run without it (debouncing, docs/method.md)."""
         for name, (hooks, cfg) in self.shadows.items():
             with self.viewed_as(hooks, cfg):
                 other = self.judge(step, evidence)[:2]
-            if other != (verdict, env):
-                count = self.activity[name]
-                count["changed"] += 1
-                count["first_step"] = step if count["first_step"] is None else count["first_step"]
-                count["last_step"] = step
+            count = self.activity[name]
+            if count["counted_from"] is None:
+                count["counted_from"] = step
+            if other == (verdict, env):
+                count["in_a_row"] = 0
+                continue
+            count["changed"] += 1
+            count["first_step"] = step if count["first_step"] is None else count["first_step"]
+            count["last_step"] = step
+            count["in_a_row"] += 1
+            if count["in_a_row"] > count["longest"]:
+                count["longest"], count["longest_last_step"] = count["in_a_row"], step
 
     def infer(self, step: int, probs: torch.Tensor, alpha: torch.Tensor, usage: torch.Tensor,
               error_under: Callable[[int], torch.Tensor | float]) -> Decision:
@@ -305,7 +323,8 @@ class EnvironmentInference:
         self.slots.load_state_dict(d["slots"])
         for name, count in d.get("rule_activity", {}).items():  # absent before inference.counterfactuals
             if name in self.activity:
-                self.activity[name] = dict(count)
+                # a count without the runs in a row counts them from this resume on
+                self.activity[name] = {**fresh_activity(), **count}
         for rule in self.rules:
             rule.load_state_dict(d, self.device)
 

@@ -59,9 +59,7 @@ def summary_text(results: dict, run_dir: Path) -> str:
     if activity:
         lines.append("batches whose verdict each rule decided (the set without it decides otherwise, "
                      "inference.counterfactuals): " + ", ".join(
-                         f"{name} {count['changed']}" + (f" (steps {count['first_step']}-{count['last_step']})"
-                                                          if count["changed"] else "")
-                         for name, count in activity.items()))
+                         f"{name} {count['changed']}" + activity_span(count) for name, count in activity.items()))
     use = results.get("latent_use") or []
     if use:
         n = len(use[0]["kl_per_latent"])
@@ -167,3 +165,17 @@ def used_at_thresholds(use: list[dict]) -> dict[float, int] | None:
         return None
     peak = [max(col) for col in zip(*(row["usage_per_latent"] for row in use))]
     return {t: sum(u > t for u in peak) for t in USAGE_READINGS}
+
+
+def activity_span(count: dict) -> str:
+    """Where a rule's counterfactual count lies, and the most of its batches in a row (a run of
+    `inference.patience` would have allocated a slot in the run without the rule)."""
+    if not count["changed"]:
+        return ""
+    text = f"steps {count['first_step']}-{count['last_step']}"
+    if count.get("longest"):
+        text += f", at most {count['longest']} in a row (to step {count['longest_last_step']}"
+        if count["counted_from"] > count["first_step"]:
+            text += f"; counted from step {count['counted_from']}"
+        text += ")"
+    return f" ({text})"
