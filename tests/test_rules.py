@@ -431,9 +431,10 @@ def test_the_summary_names_the_batches_each_rule_decided():
                                  "error_margin": {"changed": 0, "first_step": None, "last_step": None}}}
     assert "debouncing 2 (steps 1-2), error_margin 0" in summary_text(results, Path("run"))
     results["rule_activity"]["debouncing"].update(longest=2, longest_last_step=2, counted_from=1)
-    assert "debouncing 2 (steps 1-2, at most 2 in a row (to step 2)), error_margin 0" in summary_text(
+    assert "debouncing 2 (steps 1-2, at most 2 in a row ending at step 2), error_margin 0" in summary_text(
         results, Path("run"))
-    results["rule_activity"]["debouncing"]["counted_from"] = 2  # resumed from a count without the runs
-    assert "at most 2 in a row (to step 2; counted from step 2)" in summary_text(results, Path("run"))
+    # resumed at step 5 from a count without the runs in a row, and none since
+    results["rule_activity"]["debouncing"].update(longest=0, longest_last_step=None, counted_from=5)
+    assert "debouncing 2 (steps 1-2, at most 0 in a row since step 5)" in summary_text(results, Path("run"))
     results["rule_activity"] = {}  # off
     assert "decided" not in summary_text(results, Path("run"))

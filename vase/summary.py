@@ -173,9 +173,10 @@ def activity_span(count: dict) -> str:
     if not count["changed"]:
         return ""
     text = f"steps {count['first_step']}-{count['last_step']}"
-    if count.get("longest"):
-        text += f", at most {count['longest']} in a row (to step {count['longest_last_step']}"
+    if "longest" in count:  # absent from counts made before the runs in a row were kept
+        text += f", at most {count['longest']} in a row"
+        if count["longest"]:
+            text += f" ending at step {count['longest_last_step']}"
         if count["counted_from"] > count["first_step"]:
-            text += f"; counted from step {count['counted_from']}"
-        text += ")"
+            text += f" since step {count['counted_from']}"
     return f" ({text})"
