@@ -109,7 +109,7 @@ def table1_markdown(rows: list[dict]) -> str:
             out.append(_md_row(line))
         if marked:
             out += ["", "\\" + WRONG_SLOTS_NOTE]
-        notes = [f"{row['ablation']}: {in_progress_note(row)}" for row in group if in_progress_note(row)]
+        notes = [f"{row['ablation']}: {note}" for row in group if (note := in_progress_note(row))]
         if notes:
             out += ["", f"In progress ({IN_PROGRESS_COVERS}): " + "; ".join(notes) + "."]
         out.append("")

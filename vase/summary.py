@@ -173,7 +173,8 @@ def activity_span(count: dict) -> str:
     if not count["changed"]:
         return ""
     text = f"steps {count['first_step']}-{count['last_step']}"
-    if "longest" in count:  # absent from counts made before the runs in a row were kept
+    # None: made before the runs in a row were kept, or resumed from such a count and not counted since
+    if count.get("counted_from") is not None:
         text += f", at most {count['longest']} in a row"
         if count["longest"]:
             text += f" ending at step {count['longest_last_step']}"
