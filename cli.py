@@ -48,7 +48,7 @@ def _resolve_device(name: str):
 def _schedule_option():
     return click.option("--schedule", type=click.Choice(schedule_names()), default="short", show_default=True,
                         help="Run lengths set together: steps per environment, capacity ramp, tau, probe interval "
-                             "and new-slot settings ('long': the paper's regime, docs/method.md).")
+                             "and new-slot settings ('long': the paper's regime, docs/regime.md).")
 
 
 def _check_sequence(ctx, param, value):
@@ -194,25 +194,25 @@ _FLAG_NAMES = {"overrides": "set", "branch_dir": "branch", "branch_step": "at"}
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON instead of a table.")
 @click.option("--atypicality", "steps", default=None, metavar="STEPS",
               help="Instead: alpha (eq. 4) of each environment's held-out batches under the encoders saved at "
-                   "these steps, e.g. 11000,24000 (docs/method.md).")
+                   "these steps, e.g. 11000,24000 (docs/regime.md).")
 @click.option("--batches", default=40, show_default=True, type=click.IntRange(min=2),
               help="With --atypicality: batches per environment and step.")
 @click.option("--own-slot", "own_slot", default=None, metavar="STEPS",
               help="Instead: each environment's held-out error under its own slot with the newest "
                    "checkpoint's decoders (or those of --step), decoded from the codes of the encoders saved "
                    "at these steps, e.g. 12000,24000: how much of what a slot lost is the encoder's drift "
-                   "(docs/method.md).")
+                   "(docs/regime.md).")
 @click.option("--by-latent", is_flag=True,
               help="With --own-slot: split the encoder's drift over the latents: the error from the older codes "
-                   "with one latent at a time given today's code (docs/method.md).")
+                   "with one latent at a time given today's code (docs/regime.md).")
 @click.option("--readouts", type=int, default=None, metavar="STEP",
               help="Instead: object identity from mu(x) of the encoder saved at STEP, read by the probe's linear "
                    "classifier on 2,000 and on 20,000 training images, by k nearest neighbours and by an MLP: "
-                   "whether the code or the linear probe limits the ID columns (docs/method.md).")
+                   "whether the code or the linear probe limits the ID columns (docs/regime.md).")
 @click.option("--classifier", is_flag=True,
               help="Instead: at the newest checkpoint, q_psi's mean q(s|x) on each environment's held-out "
                    "images and on dreams of each slot, the slot it names for each batch, and eq. 6's tests of "
-                   "each batch against every slot (docs/method.md).")
+                   "each batch against every slot (docs/regime.md).")
 @click.option("--also", callback=_check_sequence, default=None, metavar="ENVS",
               help="With --classifier: also read these environments, which need not be in the run's sequence, "
                    "e.g. fashion,mnist: what q_psi keys on (`vase data list` names them).")
@@ -222,7 +222,7 @@ _FLAG_NAMES = {"overrides": "set", "branch_dir": "branch", "branch_step": "at"}
 @click.option("--replay", type=click.IntRange(min=0), default=None, metavar="STEP",
               help="Instead: step the run on from its kept checkpoint of STEP, in memory, and print each "
                    "batch's verdict, q_psi's pick, eq. 6's tests, KL against C(t) and its most atypical "
-                   "latents: the batches a run's events do not list (docs/method.md).")
+                   "latents: the batches a run's events do not list (docs/regime.md).")
 @click.option("--count", type=click.IntRange(min=1), default=20, show_default=True,
               help="With --replay: how many steps.")
 @click.option("--latents", default=None, metavar="LIST",

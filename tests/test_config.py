@@ -77,7 +77,7 @@ def test_a_run_made_before_sync_at_allocation_existed_resumes_synced_at_its_allo
 
 def test_a_run_made_at_eq8s_dream_weights_reads_them_back(tmp_path):
     """A config.json without dream.encoder_weight was trained with eq. 7's encoder term at 1, as eq. 8
-    prints it, while a new run's default is 10 (docs/method.md, "Eq. 7's encoder weight: 10")."""
+    prints it, while a new run's default is 10 (docs/regime.md, "Eq. 7's encoder weight: 10")."""
     saved = json.loads(build_config("cpu").to_json())
     assert saved["dream"]["encoder_weight"] == 10.0
     del saved["dream"]["encoder_weight"]

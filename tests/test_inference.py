@@ -145,7 +145,7 @@ def test_a_past_environment_left_soon_after_a_switch_keeps_what_its_batches_wrot
 
 def test_q_psi_on_features_that_do_not_tell_slots_apart_learns_the_label_frequencies():
     # 64 real images of the current slot and 16 dreams of a past one with the same features: the
-    # cross-entropy converges to the frequencies 64:16 (docs/method.md, "q_psi's prior").
+    # cross-entropy converges to the frequencies 64:16 (docs/regime.md, "q_psi's prior").
     torch.manual_seed(0)
     q = torch.nn.Linear(8, 2)
     opt = torch.optim.Adam(q.parameters(), lr=0.05)

@@ -197,7 +197,7 @@ def test_the_long_schedule_sets_the_lengths_together_and_overrides_win():
 
 @pytest.mark.parametrize("schedule", ["long", "extended"])
 def test_a_long_schedule_gives_the_first_stage_its_full_capacity(schedule):
-    """C(t) reaches C_max inside the first stage (docs/method.md, the regime: a ramp longer than a
+    """C(t) reaches C_max inside the first stage (docs/regime.md: a ramp longer than a
     stage left moving Fashion at 40 % of C_max)."""
     from vase.objective import capacity
 
@@ -208,8 +208,8 @@ def test_a_long_schedule_gives_the_first_stage_its_full_capacity(schedule):
 
 
 def test_the_extended_schedule_scales_the_long_one_together():
-    """Steps, ramp, τ and settling keep the long schedule's proportions to a stage (docs/method.md,
-    the regime), so only the length changes between the two studies."""
+    """Steps, ramp, τ and settling keep the long schedule's proportions to a stage (docs/regime.md),
+    so only the length changes between the two studies."""
     long, extended = build_config("cpu", [], "SDA", "long"), build_config("cpu", [], "SDA", "extended")
     factor = extended.data.steps_per_env[0] / long.data.steps_per_env[0]
     assert factor > 1

@@ -1,5 +1,5 @@
 """The read-outs of `vase eval --readouts` tell a code that lacks identity from one that holds it
-nonlinearly (docs/method.md, "The regime")."""
+nonlinearly (docs/regime.md, "The regime")."""
 import numpy as np
 
 from vase.readouts import Readout, readout_accuracies, readouts_text

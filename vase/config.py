@@ -33,7 +33,7 @@ from vase.errors import ConfigError
 CONFIG_VERSION = 1
 PRESET_DIR = Path(__file__).parent / "presets"
 # Schedules set the lengths of a run together: steps, the capacity ramp, tau, the probe interval and
-# the new-slot settings (docs/method.md, "The regime").
+# the new-slot settings (docs/regime.md, "The regime").
 SCHEDULE_DIR = Path(__file__).parent / "schedules"
 
 

@@ -19,7 +19,7 @@ MISSING = object()  # the setting is not in the config.json at all
 Migration = Callable[[Any, dict[str, Any]], Any]  # (saved value, saved config) -> value, or MISSING
 
 # Eq. 7's (encoder, decoder) weights as eq. 8 prints them, unweighted: what a run made before the
-# encoder weight's default became 10 trained with (docs/method.md, "Eq. 7's encoder weight: 10").
+# encoder weight's default became 10 trained with (docs/regime.md, "Eq. 7's encoder weight: 10").
 EQ8_DREAM_WEIGHTS = (1.0, 1.0)
 # C_max of every run made before results.json recorded it: the setting's default then, 25 nats.
 C_MAX_BEFORE_RECORDED = 25.0
@@ -83,19 +83,19 @@ MIGRATIONS: dict[str, Migration] = {
     # Rules pruned for want of a failure they fix (docs/method.md, rules beyond eq. 6).
     "objective.aggregate_weight": removed("objective.aggregate_weight", 0.0),
     "inference.probation_relies_on_past_usage": removed("inference.probation_relies_on_past_usage", False),
-    # Measured and rejected (docs/method.md, "The optimiser at an arrival").
+    # Measured and rejected (docs/regime.md, "The optimiser at an arrival").
     "train.reset_optimizer_at_allocation": removed("train.reset_optimizer_at_allocation", False),
     "train.max_grad_norm": removed("train.max_grad_norm", 0.0),
-    # Measured and rejected (docs/method.md, "q_psi on dreams").
+    # Measured and rejected (docs/regime.md, "q_psi on dreams").
     "inference.classifier_on_dreams": removed("inference.classifier_on_dreams", False),
-    # Measured and rejected (docs/method.md, "Returns at the short schedule").
+    # Measured and rejected (docs/regime.md, "Returns at the short schedule").
     "objective.capacity_clock": removed("objective.capacity_clock", "run"),
     "objective.return_ramp_steps": removed("objective.return_ramp_steps", 0),
-    # Off by default, so deleted (docs/method.md, "q_psi's prior").
+    # Off by default, so deleted (docs/regime.md, "q_psi's prior").
     "inference.balanced_classifier": removed("inference.balanced_classifier", False),
-    # Refused a returning environment, so deleted (docs/method.md, "Eq. 6's error less the images' entropy").
+    # Refused a returning environment, so deleted (docs/regime.md, "Eq. 6's error less the images' entropy").
     "inference.error_less_entropy": removed("inference.error_less_entropy", False),
-    # Held out by frozen_while_pending (docs/method.md, "The pending batches at an arrival").
+    # Held out by frozen_while_pending (docs/regime.md, "The pending batches at an arrival").
     "inference.pending_batches_train": removed("inference.pending_batches_train", False, acted=holds_pending_batches),
     "inference.relied_kl": dropped,  # foreign_latents
     "inference.foreign_use": dropped,

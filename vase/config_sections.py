@@ -81,7 +81,7 @@ class ObjectiveConfig:
     mode: str = "disentangled"
     gamma: float = 100.0  # [appendix, quoted elsewhere]; Burgess et al. use 1000 (absolute form)
     # The capacity term: "squared", gamma |KL - C|^2 as eq. 8 and the poster write it, or
-    # "absolute", gamma |KL - C| as Burgess et al. (CCI-VAE) [paper; choice: docs/method.md].
+    # "absolute", gamma |KL - C| as Burgess et al. (CCI-VAE) [paper; choice: docs/regime.md].
     capacity_form: str = "squared"
     capacity_max: float = 25.0  # nats [related]
     # Linear ramp of C(t) over the global step (a pure function of the step) [ours].
@@ -156,20 +156,20 @@ class DreamConfig:
     snapshot_every: int = 1000  # tau [paper: a hyperparameter; value ours]
     # [ours] Also re-sync the snapshot when a new environment is allocated. Off (the default), the
     # snapshot is re-synced every tau steps only, as in §3.5: the sync at an allocation kept what the
-    # new environment's first batches did to an old slot (docs/method.md, "The snapshot at an arrival").
+    # new environment's first batches did to an old slot (docs/regime.md, "The snapshot at an arrival").
     sync_at_allocation: bool = False
     batch_size: int = 32
     # Weights of eq. 7's two terms [ours; eq. 8 prints none]. The encoder term, 10: at 1 the shared
     # encoder's move at an arrival erased what the older environments' codes carried (SDA forgot
     # more object identity than "-"), and a returning environment's codes drifted out of its slot
     # (re-identified in 3 of 7 recurring runs, against 7 of 7 at 10). Its cost: a new environment
-    # that reuses an old slot's factors passes that slot's tests more often (docs/method.md, "Eq.
+    # that reuses an old slot's factors passes that slot's tests more often (docs/regime.md, "Eq.
     # 7's encoder weight: 10"). The decoder term stays 1: at 10 with the encoder's at 10, moving
     # MNIST joined moving Fashion's slot in 2 seeds of 2.
     encoder_weight: float = 10.0
     decoder_weight: float = 1.0
     # The dream images x': "mean", sigmoid(decoder_theta'(z, s')), as the spec writes it; or "sample",
-    # x' drawn from those Bernoulli pixels, as eq. 7's x' ~ q_theta'(x|z, s') reads (docs/method.md,
+    # x' drawn from those Bernoulli pixels, as eq. 7's x' ~ q_theta'(x|z, s') reads (docs/regime.md,
     # "The slot or the shared encoder").
     images: str = "mean"
 
@@ -225,7 +225,7 @@ class ProbeConfig:
     # picks, masked latents as prior noise.
     reading: str = "mean"
     # With D on: eq. 7's distances on a past environment's real data against those on its dreams,
-    # over each probe interval (vase.dream_coverage, docs/method.md). Training is unchanged.
+    # over each probe interval (vase.dream_coverage, docs/regime.md). Training is unchanged.
     dream_coverage: bool = True
 
 

@@ -13,7 +13,7 @@ model now, it takes eq. 7's two distances twice for a past slot s:
   a^s; masked latents are prior noise).
 
 Real drift far above dream drift means the dreams do not stand for the data they should protect
-(docs/method.md, "Where the old slots forget"). `vase.evaluator.Evaluator` takes the reading at
+(docs/regime.md, "Where the old slots forget"). `vase.evaluator.Evaluator` takes the reading at
 every probe point.
 """
 from __future__ import annotations

@@ -80,7 +80,7 @@ class Snapshot:
 class Dreaming:
     """D on: each step dreams of the environments the inference names, from the snapshot, which is
     re-synced every tau steps (paper §3.5), and also when a new environment is allocated with
-    dream.sync_at_allocation [ours, off by default: docs/method.md, "The snapshot at an arrival"]."""
+    dream.sync_at_allocation [ours, off by default: docs/regime.md, "The snapshot at an arrival"]."""
 
     def __init__(self, cfg: DreamConfig, snapshot: Snapshot):
         self.cfg, self.snapshot = cfg, snapshot

@@ -119,7 +119,7 @@ def own_slot_errors_by_encoder(run_dir: Path, steps: list[int], device: torch.de
     """Each environment's held-out error under the slot it trained in, with the decoders and masks of
     the run's checkpoint of `checkpoint_step` (default: the newest), decoded from the codes of the
     encoder saved at each step: how much of what a slot lost is the shared encoder's drift since
-    that step (docs/method.md, "The slot or the shared encoder"). One row per step and environment
+    that step (docs/regime.md, "The slot or the shared encoder"). One row per step and environment
     the checkpoint has seen."""
     return own_slot_rows(*open_with_encoders(run_dir, steps, device, checkpoint_step), device)
 

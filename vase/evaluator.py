@@ -202,7 +202,7 @@ class Evaluator(Callback):
         in (`slots`), decoded from the codes the encoder gave its images at the end of its stage. Against
         the same error from today's codes it splits what the slot lost since its stage: this much is
         the decoder's (and the mask's) doing, the rest the shared encoder's drift on real images
-        (docs/method.md, "The slot or the shared encoder"). None for a stage not finished yet. The
+        (docs/regime.md, "The slot or the shared encoder"). None for a stage not finished yet. The
         codes come through the frozen encoder, so `vase eval` rebuilds them bit for bit from the
         encoders saved at the stage ends (`codes_from_saved_encoders`)."""
         codes = [torch.tensor(c, device=self.learner.device) for c in self.record.stage_codes]

@@ -1,7 +1,7 @@
 """Table 1 of a run still training (`vase table --in-progress`): the results.json the run would
 write if it ended at a checkpoint it keeps.
 
-A study of the paper's regime trains for days (docs/method.md, "The regime"), and where it stands
+A study of the paper's regime trains for days (docs/regime.md, "The regime"), and where it stands
 is worth reading before it ends. The run is opened at its checkpoint as `vase inspect` opens it, and
 the evaluator's own `results` is read, so every figure is the one results.json would give there:
 CHANGE covers the stages ended so far. Two figures would mislead and are read over the environments

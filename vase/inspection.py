@@ -25,7 +25,7 @@ from vase.visualize import latent_colours, traversal_animation, traversal_frames
 
 INSPECT_DIR = "inspect"
 PICTURES = ("traversals", "cross_domain", "latent_use", "atypicality", "probes", "own_slot", "ambiguity")
-# The GIF's sweep: -2..2 (docs/method.md) and back, 100 ms a frame.
+# The GIF's sweep: -2..2 (docs/inspect.md) and back, 100 ms a frame.
 GIF_VALUES = torch.linspace(-2.0, 2.0, 9)
 GIF_MS = 100
 

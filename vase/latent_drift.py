@@ -3,7 +3,7 @@
 
 `vase eval --own-slot` decodes an environment's held-out images under its own slot from the codes
 of an older encoder, and so splits what the slot lost into its decoder's part and the encoder's
-(docs/method.md, "The slot or the shared encoder"). This module splits the encoder's part over the
+(docs/regime.md, "The slot or the shared encoder"). This module splits the encoder's part over the
 latents: the error from the older codes with one latent at a time given today's code instead. A
 latent whose code did not move, or that the slot masks, adds nothing; the increments need not sum
 to the whole change, since a decoder is not additive in its latents.

@@ -78,7 +78,7 @@ def environment_capacity(step: int, start: tuple[int, float | torch.Tensor] | No
 def capacity_penalty(kl: torch.Tensor, target: float, form: str) -> torch.Tensor:
     """|KL - C|^2 (form "squared", eq. 8 of the paper and its poster) or |KL - C| (form "absolute",
     Burgess et al.'s CCI-VAE), of the batch's mean KL. The two have different units, so gamma is
-    calibrated per form (docs/method.md)."""
+    calibrated per form (docs/regime.md)."""
     gap = kl.mean() - target
     return gap.pow(2) if form == "squared" else gap.abs()
 

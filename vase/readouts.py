@@ -6,7 +6,7 @@ or the probe has too few images). Here the same linear classifier fits 2,000 and
 images of the environment's training split, and two nonlinear ones fit those 20,000: k nearest
 neighbours and a small MLP. All are scored on the probe's own held-out images, read as μ(x) of the
 encoder saved at the step. Where every read-out stays low, the code is the limit
-(docs/method.md, "The regime"); the nats each latent carries on those images (KL to the prior,
+(docs/regime.md, "The regime"); the nats each latent carries on those images (KL to the prior,
 eq. 3's term) show where the code's capacity went instead.
 """
 from __future__ import annotations

@@ -185,7 +185,7 @@ def results_page(rows: list[dict], run_dirs: list[Path], page: Path) -> str:
             "trained in, and their ratio (1 = nothing forgotten). The last two columns decode, at the end, "
             "the codes the encoder gave the same images at the end of their stage: what the slot's "
             "decoder and mask lost. The rest of the first ratio is the shared encoder's drift on the "
-            "environment's real images ([method.md](method.md#the-slot-or-the-shared-encoder)); n/a where a "
+            "environment's real images ([regime.md](regime.md#the-slot-or-the-shared-encoder)); n/a where a "
             "run's results.json lacks that reading. The last environment of a sequence is left out, as in Table 1's "
             "CHANGE.",
             "",

@@ -90,7 +90,7 @@ class FrozenWhilePending(Rule):
     statistics (L_s, usage, mask) nor any weight (the model's, q_psi's, Adam's moments); its losses
     are still logged. Fixes: a new environment's pending batches, most often its first, moved the
     old slot's L_s, and trained the old slot's decoder on the new data, which the snapshot synced
-    at the allocation then kept (docs/method.md, "The pending batches at an arrival"). Setting:
+    at the allocation then kept (docs/regime.md, "The pending batches at an arrival"). Setting:
     none."""
 
     name = "frozen_while_pending"
@@ -162,7 +162,7 @@ class Information(Rule):
 class ErrorMargin(Rule):
     """The reconstruction threshold is kappa * L_s + margin. Fixes: static sprites are learnt to under
     1 nat, and kappa * L_s alone is batch noise: on the long sprite run without it, shapes B (0.04
-    nats under its slot) was split into a second slot inside its own stage (docs/method.md). Setting:
+    nats under its slot) was split into a second slot inside its own stage (docs/regime.md). Setting:
     `inference.error_margin`."""
 
     name = "error_margin"
@@ -189,7 +189,7 @@ class SettledMasks(Rule):
 class OthersLatentsOnly(Rule):
     """A slot may mask only latents other slots use. Fixes: literal eq. 5 masked latents while they
     were being learnt (masked latents get no gradient, so they stay atypical); the A and DA rows
-    closed all 24 latents, and so did MNIST's slot in SDA on the long schedule (docs/method.md).
+    closed all 24 latents, and so did MNIST's slot in SDA on the long schedule (docs/regime.md).
     Setting: none."""
 
     name = "others_latents_only"
@@ -202,7 +202,7 @@ class OthersLatentsOnly(Rule):
 class LearntLatentsOnly(Rule):
     """With S off (one slot), only latents the slot has used while settled (alpha below lambda_low)
     may be masked. Fixes: the same as `others_latents_only`, in the rows without S; on the long
-    schedule without it, the A row's slot closed all 24 latents at MNIST's arrival (docs/method.md).
+    schedule without it, the A row's slot closed all 24 latents at MNIST's arrival (docs/regime.md).
     Setting: none."""
 
     name = "learnt_latents_only"
@@ -230,7 +230,7 @@ class OwnCapacityRamp(Rule):
     `new_env_ramp_steps` pace, never above C(t) (`vase.objective.environment_capacity`). Fixes: at
     the extended schedule, MNIST's new slot, its known latents masked, met C(t) = 25 nats at once,
     and the pull on the shared encoder cost moving Fashion 19 points of identity in 2,000 steps
-    against 12 in "-" (docs/method.md). Setting: `objective.new_env_ramp_steps` (0 in the short
+    against 12 in "-" (docs/regime.md). Setting: `objective.new_env_ramp_steps` (0 in the short
     and long schedules, where the runs without it kept every end figure we judge by)."""
 
     name = "own_capacity_ramp"

@@ -4,7 +4,7 @@
 Eq. 6 tests a batch only against the slot q_psi names, so a returning environment is re-identified
 only if q_psi names its slot. q_psi learns from real images of the current slot and from dreams of
 the past ones: this reading shows what it learnt, on each environment's held-out images and on
-dreams of each slot drawn from the snapshot as eq. 7 draws them (docs/method.md, "q_psi's prior").
+dreams of each slot drawn from the snapshot as eq. 7 draws them (docs/regime.md, "q_psi's prior").
 Beside it, eq. 6's two tests of each held-out batch against every slot, not only the one q_psi
 names: whether a wrong verdict came from q_psi's pick or from the tests themselves. Environments
 outside the run's sequence can be read too (`--also`): what q_psi keys on, e.g. whether static

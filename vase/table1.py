@@ -75,14 +75,14 @@ DEFAULT_DREAM_WEIGHTS = (DreamConfig.encoder_weight, DreamConfig.decoder_weight)
 def recorded_capacity_max(result: dict) -> float:
     """The run's C_max. A results.json written before it recorded C_max reads as 25 nats:
     the setting's default since it was added, and every committed study of that time ran at it (their
-    commands are in docs/method.md; the one other C_max, the study at 50, records it)."""
+    commands are in docs/regime.md; the one other C_max, the study at 50, records it)."""
     return result.get("capacity_max", C_MAX_BEFORE_RECORDED)
 
 
 def recorded_gamma(result: dict) -> float:
     """The run's eq. 3 weight γ. A results.json written before it recorded γ reads as the default:
     every committed run of that time ran at it but one, which was made again with γ recorded
-    (docs/method.md, "Returns at the short schedule")."""
+    (docs/regime.md, "Returns at the short schedule")."""
     return result.get("gamma", ObjectiveConfig.gamma)
 
 
@@ -160,7 +160,7 @@ def in_own_slots(result: dict) -> bool | None:
     """Whether each stage trained in a slot of its own environment: stages of one environment in one
     slot, stages of different ones in different slots (None for a results.json without the record).
     A count of environments can match the truth with them in the wrong slots, e.g. a new environment
-    merged into an old one's slot and a returning one given a new slot (docs/method.md)."""
+    merged into an old one's slot and a returning one given a new slot (docs/regime.md)."""
     stages = [(row["true_env"], row["inferred_env"]) for row in result.get("inferred_vs_true") or []]
     if not stages:
         return None

@@ -7,7 +7,7 @@ sequence, alpha on random held-out batches of the training batch size, as eq. 5 
 one batch at a time, and the information each latent carries on those batches (KL minus alpha,
 `vase.masking.information`). Where the run kept its slots at that step, also the slot q_psi picks
 for each batch and the information on the latents each slot leaves unmasked: what an environment
-keeps where its own slot reads it. docs/method.md ("Why moving MNIST joined moving Fashion's slot",
+keeps where its own slot reads it. docs/regime.md ("Why moving MNIST joined moving Fashion's slot",
 "Table 1 under the paper's reading") reads it.
 """
 from __future__ import annotations

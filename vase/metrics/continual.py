@@ -72,7 +72,7 @@ def kind_of(name: str) -> str:
 def value_at(curve: ProbeCurve, step: int) -> float:
     """The curve's value at the last evaluation at or before ``step`` (NaN if there is none).
 
-    The trainer evaluates at every boundary (docs/probes.md "When"), so at a boundary this is the value
+    The trainer evaluates at every boundary (docs/probes.md, "3. When probes run"), so at a boundary this is the value
     measured exactly then.
     """
     index = int(np.searchsorted(np.asarray(curve.steps), step, side="right")) - 1

@@ -59,7 +59,7 @@ def own_slot_figure(rows: Sequence[dict], env_end_steps: Sequence[int], after_st
     decoded from the codes of the encoder of each saved step (`vase.evaluation.own_slot_rows`): a
     line per environment, its error just after its own stage as a dashed level of its colour, and
     the stage ends dotted. Where a line climbs after its stage, the encoder's codes drifted away
-    from what the slot decodes (docs/method.md, "The slot or the shared encoder")."""
+    from what the slot decodes (docs/regime.md, "The slot or the shared encoder")."""
     fig = Figure(figsize=FIGSIZE, dpi=DPI)
     ax = fig.subplots()
     names = list(dict.fromkeys((r["environment"], r["slot"]) for r in rows))

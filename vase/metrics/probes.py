@@ -1,4 +1,4 @@
-"""Linear read-out probes on frozen codes (docs/probes.md, "How", steps 2 and 3).
+"""Linear read-out probes on frozen codes (docs/probes.md, "2. What is probed").
 
 The paper trains "object identity classifiers ... and an object position regressor on top of the
 latent representation" (§4, Fig. 2 bottom) but its protocol (appendix A.6) is unpublished, so the
@@ -29,7 +29,7 @@ def object_id_accuracy(
     labels_test: np.ndarray,
     seed: int,
 ) -> float:
-    """Held-out accuracy in [0, 1] of a linear classifier from codes to object class (docs/probes.md.2).
+    """Held-out accuracy in [0, 1] of a linear classifier from codes to object class (docs/probes.md, "Classifier").
 
     Multinomial logistic regression on standardised codes. Standardising makes the fixed L2
     strength mean the same for every latent, whatever scale the encoder gave it. If the probe-train
@@ -54,7 +54,7 @@ def position_mse(
     codes_test: np.ndarray,
     xy_test: np.ndarray,
 ) -> float:
-    """Held-out MSE of a linear regressor from codes to (x, y) in [0, 1] (docs/probes.md.3).
+    """Held-out MSE of a linear regressor from codes to (x, y) in [0, 1] (docs/probes.md, "Regressor").
 
     Ridge regression on standardised codes; the squared error is averaged over the test examples
     and over the two coordinates, so a constant predictor at the mean scores Var(x)/2 + Var(y)/2
