@@ -61,7 +61,8 @@ def test_every_relative_link_reaches_its_file_and_heading(page):
 
 def test_every_section_the_code_cites_by_title_exists():
     missing = []
-    for source in [ROOT / "cli.py", *sorted((ROOT / "vase").rglob("*.py")), *sorted((ROOT / "tests").glob("*.py"))]:
+    sources = [ROOT / "cli.py", *sorted((ROOT / "vase").rglob("*.py")), *sorted((ROOT / "tests").glob("*.py"))]
+    for source in sources + sorted(p for p in (ROOT / ".ci").iterdir() if p.is_file()):
         # A citation may break across lines of a comment or a docstring.
         text = re.sub(r"\n\s*#?\s*", " ", source.read_text())
         for name, title in CITATION.findall(text):
