@@ -1,6 +1,7 @@
 """The docs hold together: every relative link in the README and docs/ reaches a file and, where it
 names one, a heading; every section the code cites by title (docs/<page>.md, "Title") exists."""
 import re
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -16,18 +17,21 @@ def slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
-def headings(page: Path) -> list[str]:
-    """The page's headings, outside code blocks."""
+@cache
+def headings(page: Path) -> tuple[str, ...]:
+    """The page's headings, outside code blocks (read once per page: many links share a target)."""
     found, fenced = [], False
     for line in page.read_text().splitlines():
         if line.startswith("```"):
             fenced = not fenced
         elif not fenced and re.match(r"#{1,6} ", line):
             found.append(line.lstrip("#").strip())
-    return found
+    return tuple(found)
 
 
-def anchors(page: Path) -> set[str]:
+@cache
+def anchors(page: Path) -> frozenset[str]:
+    """The anchors GitHub gives the page's headings; a repeated heading gets -1, -2, ..."""
     seen: dict[str, int] = {}
     out = set()
     for heading in headings(page):
@@ -35,7 +39,7 @@ def anchors(page: Path) -> set[str]:
         n = seen.get(base, 0)
         out.add(base if n == 0 else f"{base}-{n}")
         seen[base] = n + 1
-    return out
+    return frozenset(out)
 
 
 def test_slug_follows_githubs_rule():
