@@ -1,6 +1,6 @@
 """Eq. 7's coverage (vase/dream_coverage.py): zero without drift, the closed-form Bernoulli KL of a
-known decoder change, a drift that only real data can see, and the reading in a run, through a
-resume."""
+known decoder change, a drift that only real data can see, one that the reconstructions of the
+real codes see too, and the reading in a run, through a resume."""
 from __future__ import annotations
 
 import json
@@ -66,7 +66,7 @@ def read(model, reference, mask=ALL_USED):
 def test_no_drift_reads_exactly_zero():
     model = Model(Encoder(), Decoder(far=1.0))
     c = read(model, model)
-    assert [getattr(c, t) for t in COVERAGE_TERMS] == [0.0] * 4
+    assert [getattr(c, t) for t in COVERAGE_TERMS] == [0.0] * 5
 
 
 def test_a_decoder_change_everywhere_reads_the_closed_form_kl_on_both():
@@ -87,6 +87,20 @@ def test_a_change_where_dreams_never_go_is_seen_on_real_data_only():
     assert c.decoder_real == pytest.approx(PIXELS * bernoulli_kl(p, q), rel=1e-5)
     assert c.encoder_real == pytest.approx(1.0)  # ||6 + 1 - 6||^2, sigmas equal
     assert c.decoder_dream == 0.0 and c.encoder_dream == 0.0
+    # The reference decodes the real codes dark (far = 0), so a change on bright images only is
+    # out of the reconstructions' sight: the gap is the real pixels'.
+    assert c.encoder_recon == 0.0
+
+
+def test_a_change_on_what_the_real_codes_decode_to_is_seen_on_their_reconstructions():
+    # The reference decodes z_0 > 4 bright (logit -2 + 3): the real codes come back as bright
+    # images, which the changed encoder reads as the real ones, while prior codes decode dark.
+    # The gap is then the codes': p(z) seldom draws where the real codes lie.
+    reference = Model(Encoder(), Decoder(far=3.0))
+    model = Model(Encoder(shift=1.0), Decoder(far=3.0))
+    c = read(model, reference)
+    assert c.encoder_real == pytest.approx(1.0) and c.encoder_recon == pytest.approx(1.0)
+    assert c.encoder_dream == 0.0
 
 
 def test_a_masked_latent_is_prior_noise_in_the_real_codes_too():
@@ -162,10 +176,14 @@ def test_the_reading_leaves_training_as_it_was(tmp_path):
 def test_the_summary_averages_each_environments_intervals():
     from vase.summary import coverage_lines
 
-    rows = [{"true_env": "a", "encoder_real": 1.0, "encoder_dream": 0.5, "decoder_real": 30.0, "decoder_dream": 10.0},
+    rows = [{"true_env": "a", "encoder_real": 1.0, "encoder_recon": 0.8, "encoder_dream": 0.5, "decoder_real": 30.0,
+             "decoder_dream": 10.0},
             {"true_env": "b", "encoder_real": 0.0, "encoder_dream": 0.0, "decoder_real": 2.0, "decoder_dream": 2.0},
-            {"true_env": "a", "encoder_real": 3.0, "encoder_dream": 0.5, "decoder_real": 10.0, "decoder_dream": 2.0}]
+            {"true_env": "a", "encoder_real": 3.0, "encoder_recon": 1.2, "encoder_dream": 0.5, "decoder_real": 10.0,
+             "decoder_dream": 2.0}]
     lines = coverage_lines(rows)
-    assert lines[1].split() == "a decoder 20.00 vs 6.00, encoder 2.000 vs 0.500 (2 intervals)".split()
-    assert lines[2].split()[0] == "b" and len(lines) == 3
+    assert lines[1].split() == "a decoder 20.00 vs 6.00, encoder 2.000 / 1.000 / 0.500 (2 intervals)".split()
+    # a row without the reconstructions' term: the other terms only
+    assert lines[2].split() == "b decoder 2.00 vs 2.00, encoder 0.000 / 0.000 (1 intervals)".split()
+    assert len(lines) == 3
     assert coverage_lines([]) == []

@@ -133,13 +133,17 @@ def coverage_lines(rows: list[dict]) -> list[str]:
     if not rows:
         return []
     lines = ["eq. 7's coverage, mean drift per probe interval after each stage, on real held-out images "
-             "against dreams of its slot (decoder: Bernoulli KL, nats; encoder: W2):"]
+             "against dreams of its slot (decoder: Bernoulli KL, nats; encoder: W2, real / "
+             "their reconstructions / dreams):"]
     for name in dict.fromkeys(row["true_env"] for row in rows):
         mine = [row for row in rows if row["true_env"] == name]
-        mean = {term: sum(row[term] for row in mine) / len(mine) for term in COVERAGE_TERMS}
+        # a row read before encoder_recon was measured lacks it: print it where every row has it
+        mean = {term: sum(row[term] for row in mine) / len(mine) for term in COVERAGE_TERMS
+                if all(term in row for row in mine)}
+        recon = f" / {mean['encoder_recon']:.3f}" if "encoder_recon" in mean else ""
         lines.append(
             f"  {name:<18} decoder {mean['decoder_real']:.2f} vs {mean['decoder_dream']:.2f}, "
-            f"encoder {mean['encoder_real']:.3f} vs {mean['encoder_dream']:.3f} ({len(mine)} intervals)")
+            f"encoder {mean['encoder_real']:.3f}{recon} / {mean['encoder_dream']:.3f} ({len(mine)} intervals)")
     return lines
 
 
