@@ -5,7 +5,8 @@ Eq. 7 keeps the encoder and the decoder close to a snapshot on dreams, x' decode
 That protects a past environment only if its real images and codes lie where the dreams are: the
 paper's premise that a trained environment's aggregate posterior is close to the prior. This
 module measures the premise. Over a window of training, from a reference copy of the model to the
-model now, it takes eq. 7's two distances twice for a past slot s:
+model now, it takes eq. 7's two distances for a past slot s on dreams and on real data, and the
+encoder's once more on reconstructions:
 
 - on dreams of s, as eq. 7 does: the encoder's W2 on x' and the decoder's Bernoulli KL on z ~ p(z);
 - on the held-out real images of the environment trained under s: the encoder's W2 on x, and the
