@@ -102,6 +102,9 @@ def main(ctx):
                    "--set or --steps that leave the steps before it alone (docs/usage.md).")
 @click.option("--at", "branch_step", type=click.IntRange(min=1), default=None,
               help="With --branch: the step of a checkpoint RUN_DIR keeps (its two newest, or a stage end).")
+@click.option("--until", "until", type=click.IntRange(min=1), default=None, metavar="STEP",
+              help="Stop after step STEP with a checkpoint, to go on later with --resume (not part of the "
+                   "run's config).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing --run-dir.")
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.FIELD=VALUE",
               help="Override any config field, e.g. --set mask.lambda_high=2.0 (repeatable).")
@@ -109,7 +112,7 @@ def main(ctx):
 @_device_option()
 @_schedule_option()
 def train(preset, sequence, steps, ablation, entangled, seed, data_root, download, run_dir, resume_dir,
-          branch_dir, branch_step, overwrite, overrides, no_progress, device, schedule):
+          branch_dir, branch_step, until, overwrite, overrides, no_progress, device, schedule):
     """Train VASE over a sequence of environments.
 
     With no options: the full VASE (SDA) on the embedded sprite sequence with the CPU preset.
@@ -141,7 +144,11 @@ def train(preset, sequence, steps, ablation, entangled, seed, data_root, downloa
         trainer = Trainer(cfg, path, progress=not no_progress, device=_resolve_device(device))
         fill = (lambda target: write_branch(branch, target)) if branch_dir else None
         prepare_run_dir(path, cfg, resume=bool(resume_dir), overwrite=overwrite, fill=fill)
-        results = trainer.train(resume=bool(resume_dir or branch_dir))
+        results = trainer.train(resume=bool(resume_dir or branch_dir), until=until)
+        if results is None:
+            click.echo(f"paused at step {trainer.learner.step:,} of {cfg.data.total_steps():,}; "
+                       f"go on with: vase train --resume {path}")
+            return
         text = summary_text(results, path)
         write_atomic(path / "summary.txt", (text + "\n").encode())
     except VaseError as e:
@@ -443,8 +450,13 @@ def inspect(run_dir, pictures, step, used_only, image, source, envs, data_root, 
               help="GPUs of this machine to spread the runs over (each run sees one, via CUDA_VISIBLE_DEVICES).")
 @click.option("--runs-per-gpu", type=click.IntRange(min=1), default=1, show_default=True,
               help="Runs sharing one GPU at a time (with --gpus; with --ray each run asks for 1/N of a GPU).")
+@click.option("--share-first-stage", is_flag=True,
+              help="Train each seed's SDA cell to its first stage's end, then branch the other rows from there "
+                   "with their switches: before the first allocation they train alike (docs/usage.md). D and DA, "
+                   "which dream from the start, and a cell whose source allocated or held batches pending by "
+                   "then train from step 0.")
 def grid(rows, modes, seeds, preset, sequence, steps, overrides, root, threads, workers, use_ray, ray_address,
-         data_root, download, dry_run, no_progress, device, schedule, gpus, runs_per_gpu):
+         data_root, download, dry_run, no_progress, device, schedule, gpus, runs_per_gpu, share_first_stage):
     """Run the ablation grid (rows x modes x seeds of `vase train`) and print Table 1.
 
     Runs go in parallel on this machine, or on a Ray cluster with --ray. Run the same command
@@ -457,7 +469,8 @@ def grid(rows, modes, seeds, preset, sequence, steps, overrides, root, threads, 
     try:
         spec = GridSpec(parse_rows(rows), parse_modes(modes), parse_seeds(seeds), Path(root), preset,
                         sequence or PAPER_SEQUENCE, steps, tuple(overrides), threads, data_root, download,
-                        "cuda" if gpus or (runs_per_gpu > 1 and (use_ray or ray_address)) else device, schedule)
+                        "cuda" if gpus or (runs_per_gpu > 1 and (use_ray or ray_address)) else device, schedule,
+                        share_first_stage)
         for run in spec.runs():  # every cell's config is valid before anything starts
             spec.config(run)
         backend = backend_for(threads, workers, use_ray, ray_address, gpus, runs_per_gpu, device)

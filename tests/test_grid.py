@@ -450,6 +450,19 @@ def test_a_grid_on_ray_gives_the_same_runs(tmp_path, sprite_data):
     )
 
 
+@pytest.mark.slow
+def test_a_grid_on_ray_shares_the_first_stage_as_this_machine_does(tmp_path, sprite_data):
+    """The first stages and the rest run as two rounds of Ray tasks; the branch is written on the
+    driver between them and travels to its node with its checkpoint."""
+    pytest.importorskip("ray")
+    root = tmp_path / "grid"
+    result = invoke(grid_cli_args(root, sprite_data, rows="SDA,-") + ["--ray", "--share-first-stage"])
+    assert result.exit_code == 0, result.output
+    cell = read_results(root / "none-disentangled-s0")
+    assert cell["branch"]["step"] == int(STEPS)
+    assert comparable(cell) == comparable(straight_run(tmp_path, sprite_data, "-"))
+
+
 def grid_children(root: Path) -> list[int]:
     """Pids of the `vase train` processes working under `root`."""
     pids = []
@@ -572,3 +585,79 @@ def test_grid_gpus_sets_each_runs_device_to_cuda(tmp_path):
                                        "--modes", "disentangled", "--root", str(tmp_path), "--dry-run"])
     assert result.exit_code == 0, result.output
     assert "--device cuda" in result.output
+
+
+# -- rows that share a first stage ------------------------------------------------------------------------
+def test_share_first_stage_is_refused_in_one_line_where_no_row_could_branch(tmp_path):
+    for extra, phrase in ((["--rows", "-,S"], "add SDA to --rows"),
+                          (["--set", "inference.rules=paper"],
+                           "--share-first-stage: the source's rules (paper) may mask"),
+                          (["--sequence", "moving_mnist"], "needs a sequence of two environments or more")):
+        result = CliRunner().invoke(main, ["grid", "--root", str(tmp_path / "g"), "--seeds", "0", "--dry-run",
+                                           "--share-first-stage", *extra])
+        assert result.exit_code != 0 and "Traceback" not in result.output
+        assert phrase in result.output, result.output
+    assert not (tmp_path / "g").exists()
+
+
+def test_dry_run_shows_which_cells_branch_and_where_sda_pauses(tmp_path):
+    result = CliRunner().invoke(main, ["grid", "--rows", "SDA,-,SD-[41],D", "--seeds", "0", "--modes", "entangled",
+                                       "--steps", "30", "--root", str(tmp_path / "g"), "--dry-run",
+                                       "--share-first-stage"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0].startswith("new    SDA-entangled-s0: vase train") and lines[0].endswith(
+        "--until 30, then again with --resume")
+    source = tmp_path / "g" / "SDA-entangled-s0"
+    assert lines[1] == (f"branch none-entangled-s0: vase train --branch {source} --at 30 --run-dir "
+                        f"{tmp_path / 'g' / 'none-entangled-s0'} --set dream.enabled=false "
+                        "--set inference.enabled=false --set mask.enabled=false")
+    assert lines[2].endswith("--set dream.decoder_term=false --set mask.enabled=false")
+    # D without S dreams from the first snapshot on: it trains from step 0
+    assert lines[3].startswith("new    D-entangled-s0: vase train --preset cpu --ablation=D ")
+    assert not (tmp_path / "g").exists()
+
+
+@pytest.mark.slow
+def test_rows_branched_from_sdas_first_stage_are_the_rows_trained_from_step_0(tmp_path, sprite_data):
+    """Under the default rules S, D and A change nothing before the first allocation, so each row
+    branched from SDA's first stage end trains exactly the run `vase train` makes from step 0."""
+    root = tmp_path / "grid"
+    rows = ("SDA", "-", "S", "A", "SA", "SD", "SD-[41]", "D")
+    result = invoke(grid_cli_args(root, sprite_data, rows=",".join(rows)) + ["--share-first-stage", "--workers", "2"])
+    assert result.exit_code == 0, result.output
+    assert "0 finished, 0 to resume, 2 to start, 6 to branch from SDA's first stage" in result.output
+    assert "paused SDA-disentangled-s0" in result.output and "branch S-disentangled-s0 from SDA" in result.output
+    source = root / "SDA-disentangled-s0"
+    for row in rows:
+        cell = root / f"{grid_module.row_slug(row)}-disentangled-s0"
+        ran = read_results(cell)
+        assert comparable(ran) == comparable(straight_run(tmp_path, sprite_data, row)), row
+        if row not in ("SDA", "D"):
+            assert ran["branch"]["source"] == source.name and ran["branch"]["step"] == int(STEPS), row
+    # D without S dreams slot 0 from the first snapshot on: its first stage is not SDA's
+    assert read_results(root / "D-disentangled-s0")["branch"] is None
+    assert read_results(source)["branch"] is None
+    assert "--until 10" in (root / "logs" / "SDA-disentangled-s0.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_row_whose_source_allocated_in_its_first_stage_trains_from_step_0(tmp_path, sprite_data):
+    """Where SDA's first stage is not the row's (here a hand-made second slot at its end), the cell
+    is not branched: it trains from step 0, and the grid says why."""
+    from test_branching import _edit_state
+
+    spec = replace(tiny_spec(tmp_path / "grid", sprite_data, rows=("SDA", "-")), share_first_stage=True)
+    source = spec.runs()[0]
+    args = train_arguments(spec, source, NEW) + ["--until", STEPS]
+    assert "paused at step 10 of 20" in invoke(args).output and not (source.run_dir / "results.json").exists()
+    _edit_state(source.run_dir, int(STEPS), lambda st: st["learner"]["inference"].update(n_envs=2))
+    assert [status for _, status in plan(spec)] == [RESUME, grid_module.BRANCH]
+    lines = []
+    report = run_grid(spec, LocalBackend(2), echo=lines.append, progress=False)
+    assert sorted(report.finished) == ["SDA-disentangled-s0", "none-disentangled-s0"] and not report.failed
+    assert any(line.startswith("note   none-disentangled-s0 trains from step 0: the source had inferred 2")
+               for line in lines), lines
+    cell = spec.runs()[1].run_dir
+    assert read_results(cell)["branch"] is None
+    assert comparable(read_results(cell)) == comparable(straight_run(tmp_path, sprite_data, "-"))

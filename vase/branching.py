@@ -75,7 +75,8 @@ def plan_branch(source: Path, step: int, overrides: list[str], data_root: str | 
                         "these cannot change at a branch")
     _check_stages_before(before, cfg, step)
     if before.inference.enabled and not cfg.inference.enabled:
-        _check_trained_as_one_slot(before, state, step)
+        check_rules_keep_one_slot(before)
+        check_trained_as_one_slot(before, state, step)
     return Branch(Path(source), step, list(overrides), cfg, state)
 
 
@@ -92,25 +93,27 @@ def _check_stages_before(before: Config, after: Config, step: int) -> None:
                         f"train after step {step}")
 
 
-def _check_trained_as_one_slot(before: Config, state: dict, step: int) -> None:
-    """A branch that turns S off continues a run without S only if the source trained as one did up
-    to `step` (docs/usage.md, rows that share a first stage): no second slot, no batch held out
-    while pending, and no latent of its one slot masked (`others_latents_only` masks only latents
-    other slots use, so with one slot it masks none)."""
-    inferred = state["learner"]["inference"]["n_envs"]
-    if inferred > 1:
-        raise VaseError(f"the source had inferred {inferred} environments by step {step}; with "
-                        "inference.enabled=false every batch would go to slot 0 of a state that has more; "
-                        "branch from a step before its first allocation")
-    names = rules.chosen(before)
-    held_out = state["record"]["pending"]
-    if held_out and "frozen_while_pending" in names:
-        raise VaseError(f"the source held {held_out} pending batches out of training by step {step}, "
-                        "which a run without S trains on; branch from a run that held none")
-    if before.mask.enabled and "others_latents_only" not in names:
+def check_rules_keep_one_slot(before: Config) -> None:
+    """The source's rules leave the latents of its one slot unmasked (`others_latents_only` masks
+    only latents other slots use, so with one slot it masks none), as a run without S or A does."""
+    if before.mask.enabled and "others_latents_only" not in rules.chosen(before):
         raise VaseError(f"the source's rules ({before.inference.rules}) may mask latents of its one slot, "
                         "which a run without S never does; branch from a run whose rules include "
                         "others_latents_only")
+
+
+def check_trained_as_one_slot(before: Config, state: dict, step: int) -> None:
+    """A branch that turns a switch off continues a run without it only if the source trained as one
+    did up to `step` (docs/usage.md, rows that share a first stage): no second slot (after the first
+    allocation S, D and A change the model) and no batch held out while pending."""
+    inferred = state["learner"]["inference"]["n_envs"]
+    if inferred > 1:
+        raise VaseError(f"the source had inferred {inferred} environments by step {step}, and from its first "
+                        "allocation on S, D and A change the model; branch from a step before it")
+    held_out = state["record"]["pending"]
+    if held_out and "frozen_while_pending" in rules.chosen(before):
+        raise VaseError(f"the source held {held_out} pending batches out of training by step {step}, "
+                        "which a run without S trains on; branch from a run that held none")
 
 
 def write_branch(branch: Branch, target: Path) -> None:

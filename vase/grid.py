@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from vase.checkpoint import write_atomic
+from vase.checkpoint import kept_stage_steps, write_atomic
 from vase.config import CONFIG_VERSION, Config, build_config, load_run_config, option_overrides
 from vase.config_sections import CHOICES
 from vase.config_values import comma_list
@@ -123,6 +123,9 @@ class GridSpec:
     download: bool = False
     device: str = "auto"  # each run's --device; not part of its config, so it does not change the cell
     schedule: str = "short"
+    # Each seed's SDA cell trains to its first stage's end, and the other rows branch from there
+    # (docs/usage.md, rows that share a first stage).
+    share_first_stage: bool = False
 
     def runs(self) -> list[GridRun]:
         root = Path(self.root).absolute()  # Ray tasks run in another working directory
@@ -143,11 +146,13 @@ class GridSpec:
     def to_dict(self) -> dict:
         return {"rows": list(self.rows), "modes": list(self.modes), "seeds": list(self.seeds), "preset": self.preset,
                 "sequence": self.sequence, "steps": self.steps, "overrides": list(self.overrides),
-                "threads": self.threads, "schedule": self.schedule}
+                "threads": self.threads, "schedule": self.schedule, "share_first_stage": self.share_first_stage}
 
 
 # -- what each run needs ----------------------------------------------------------------------------
 NEW, RESUME, DONE = "new", "resume", "done"
+BRANCH = "branch"  # a new cell that starts from its SDA cell's first stage end (--share-first-stage)
+SHARED_ROW = "SDA"
 
 
 def config_differences(saved: Config, wanted: Config) -> list[str]:
@@ -185,12 +190,54 @@ def run_status(spec: GridSpec, run: GridRun) -> str:
     return DONE if (path / "results.json").is_file() else RESUME
 
 
+def first_stage_source(run: GridRun) -> GridRun:
+    """The cell a row branches from under --share-first-stage: SDA, same mode and seed."""
+    return GridRun(SHARED_ROW, run.mode, run.seed, run.root)
+
+
+def shares_first_stage(spec: GridSpec, run: GridRun) -> bool:
+    """Whether `run`'s first stage is its SDA cell's (docs/usage.md, rows that share a first stage):
+    not for SDA itself, nor for D without S, which dreams its one environment from the snapshot as
+    soon as one exists, while with S the dreams wait for a past environment."""
+    cfg = spec.config(run)
+    return run.row != SHARED_ROW and not (cfg.dream.enabled and not cfg.inference.enabled)
+
+
+def first_stage_end(spec: GridSpec, run: GridRun) -> int:
+    return spec.config(run).data.stage_ends()[0]
+
+
+def check_sharing(spec: GridSpec) -> None:
+    """Refuse --share-first-stage where no row could branch, in one line, before anything starts."""
+    from vase.branching import check_rules_keep_one_slot
+
+    if SHARED_ROW not in spec.rows:
+        raise VaseError(f"--share-first-stage branches the other rows from {SHARED_ROW}'s first stage: "
+                        f"add {SHARED_ROW} to --rows")
+    for run in spec.runs():
+        if run.row != SHARED_ROW:
+            continue
+        cfg = spec.config(run)
+        if len(cfg.data.stage_ends()) < 2:
+            raise VaseError("--share-first-stage needs a sequence of two environments or more: with one, "
+                            "the first stage is the whole run")
+        try:
+            check_rules_keep_one_slot(cfg)
+        except VaseError as e:
+            raise VaseError(f"--share-first-stage: {e}") from None
+
+
 def plan(spec: GridSpec) -> list[tuple[GridRun, str]]:
     """Every run with its status. All conflicts are reported at once, before anything starts."""
+    if spec.share_first_stage:
+        check_sharing(spec)
     planned, conflicts = [], []
     for run in spec.runs():
         try:
-            planned.append((run, run_status(spec, run)))
+            status = run_status(spec, run)
+            if status == NEW and spec.share_first_stage and shares_first_stage(spec, run):
+                status = BRANCH
+            planned.append((run, status))
         except VaseError as e:
             conflicts.append(str(e))
     if conflicts:
@@ -220,12 +267,65 @@ def dry_run_lines(spec: GridSpec) -> list[str]:
     from vase.progress_file import read_progress
 
     lines = []
-    for run, status in plan(spec):
+    planned = plan(spec)
+    sources = {first_stage_source(run).name for run, status in planned if status == BRANCH}
+    for run, status in planned:
         done = read_progress(run.run_dir) if status == RESUME else None
         where = "" if done is None else f" (step {done:,} of {spec.config(run).data.total_steps():,})"
-        what = "kept" if status == DONE else "vase " + " ".join(train_arguments(spec, run, status))
+        if status == BRANCH:
+            source = first_stage_source(run)
+            what = (f"vase train --branch {source.run_dir} --at {first_stage_end(spec, run)} --run-dir {run.run_dir} "
+                    + " ".join(f"--set {o}" for o in branch_overrides(spec, run)))
+        else:
+            what = "kept" if status == DONE else "vase " + " ".join(train_arguments(spec, run, status))
+            end = first_stage_end(spec, run)
+            if run.name in sources and status != DONE and end not in kept_stage_steps(run.run_dir):
+                what += f" --until {end}, then again with --resume"
         lines.append(f"{status:6s} {run.name}{where}: {what}")
     return lines
+
+
+# -- rows that share a first stage ---------------------------------------------------------------------
+def _setting_text(value) -> str:
+    """A config value as `--set` reads it (lists as comma text)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
+def branch_overrides(spec: GridSpec, run: GridRun) -> list[str]:
+    """The `--set`s that turn the SDA cell's config into `run`'s: the row's switches."""
+    source, wanted = spec.config(first_stage_source(run)).to_dict(), spec.config(run).to_dict()
+    out = []
+    for section in sorted(wanted):
+        if isinstance(wanted[section], dict):
+            for key in sorted(wanted[section]):
+                value = wanted[section][key]
+                if f"{section}.{key}" not in WHERE_NOT_WHAT and source[section].get(key) != value:
+                    out.append(f"{section}.{key}={_setting_text(value)}")
+    return out
+
+
+def start_branch(spec: GridSpec, run: GridRun) -> str | None:
+    """Write `run`'s directory as a branch of its SDA cell's first stage end; None if done, else why
+    the cell trains from step 0 instead (the source allocated a second slot or held batches pending
+    in that stage, so the rows' first stages differ)."""
+    from vase.branching import check_trained_as_one_slot, plan_branch, write_branch
+    from vase.trainer import prepare_run_dir
+
+    source, step = first_stage_source(run), first_stage_end(spec, run)
+    try:
+        branch = plan_branch(source.run_dir, step, branch_overrides(spec, run), spec.data_root, spec.download)
+        check_trained_as_one_slot(load_run_config(source.run_dir, spec.data_root, spec.download), branch.state, step)
+        differences = config_differences(branch.cfg, spec.config(run))
+        if differences:
+            return f"the branch's settings differ from the cell's ({'; '.join(differences[:3])})"
+    except VaseError as e:
+        return str(e)
+    prepare_run_dir(run.run_dir, branch.cfg, fill=lambda target: write_branch(branch, target))
+    return None
 
 
 def prepare_data(spec: GridSpec, progress: bool = True) -> None:
@@ -274,61 +374,100 @@ class GridReport:
 
 
 def run_grid(spec: GridSpec, backend, echo=print, progress: bool = True) -> GridReport:
-    """Train every run of the grid that is not finished yet, then write and return Table 1."""
+    """Train every run of the grid that is not finished yet, then write and return Table 1.
+
+    With --share-first-stage, first the SDA cells whose rows branch from them train to their first
+    stage's end (and pause there), then those rows are branched, then every cell trains to its end."""
+    planned = plan(spec)
+    counts = {s: sum(1 for _, st in planned if st == s) for s in (NEW, RESUME, DONE, BRANCH)}
+    echo(
+        f"vase grid: {len(planned)} run{'' if len(planned) == 1 else 's'} under {spec.root}: "
+        f"{counts[DONE]} finished, {counts[RESUME]} to resume, {counts[NEW]} to start"
+        + (f", {counts[BRANCH]} to branch from {SHARED_ROW}'s first stage" if counts[BRANCH] else "")
+    )
+    finished: list[str] = []
+    failed: list[tuple[str, str]] = []
+    if any(status != DONE for _, status in planned):
+        prepare_data(spec, progress=progress)
+    branching = [run for run, status in planned if status == BRANCH]
+    if branching:
+        status_of = {run.name: status for run, status in planned}
+        sources = {first_stage_source(run) for run in branching}
+        first = [(src, status_of[src.name], first_stage_end(spec, src)) for src in sorted(sources, key=lambda r: r.name)
+                 if status_of[src.name] != DONE and first_stage_end(spec, src) not in kept_stage_steps(src.run_dir)]
+        done, lost = _train(spec, backend, [(src, status, end) for src, status, end in first], echo, progress,
+                            "first stages")
+        failed += lost
+        lost_sources = {name for name, _ in lost}
+        for run in branching:
+            source = first_stage_source(run)
+            if source.name in lost_sources:
+                failed.append((run.name, f"not started: {source.name}, whose first stage it branches from, failed"))
+                continue
+            why = start_branch(spec, run)
+            echo(f"branch {run.name} from {source.name} at step {first_stage_end(spec, run):,}" if why is None
+                 else f"note   {run.name} trains from step 0: {why}")
+    blocked = {name for name, _ in failed}
+    todo = [(run, run_status(spec, run), None) for run, _ in planned if run.name not in blocked]
+    done, lost = _train(spec, backend, [item for item in todo if item[1] != DONE], echo, progress, None)
+    finished += done
+    failed += lost
+    return GridReport(planned, finished, failed, write_table(spec, [run for run, _ in planned]))
+
+
+def _train(spec: GridSpec, backend, todo: list[tuple[GridRun, str, int | None]], echo, progress: bool,
+           stage: str | None) -> tuple[list[str], list[tuple[str, str]]]:
+    """Run `vase train` for each (run, status, until) on the backend; the names that ended well, and
+    (name, why) for those that failed. `until`: stop there (the first stage's end) instead of the end."""
     from tqdm.auto import tqdm
 
     from vase.grid_backends import Job
     from vase.progress_file import GridSteps
 
-    planned = plan(spec)
-    todo = [(run, status) for run, status in planned if status != DONE]
-    counts = {s: sum(1 for _, st in planned if st == s) for s in (NEW, RESUME, DONE)}
-    echo(
-        f"vase grid: {len(planned)} run{'' if len(planned) == 1 else 's'} under {spec.root}: "
-        f"{counts[DONE]} finished, {counts[RESUME]} to resume, {counts[NEW]} to start"
-    )
     finished: list[str] = []
     failed: list[tuple[str, str]] = []
-    if todo:
-        prepare_data(spec, progress=progress)
-        jobs = [
-            Job(run.name, train_arguments(spec, run, status), str(run.run_dir), str(run.log)) for run, status in todo
-        ]
-        # The bar counts the runs' steps, read from their progress files, so that a grid of a few
-        # long runs moves as they train instead of at their ends.
-        steps = GridSteps({run.name: (run.run_dir, spec.config(run).data.total_steps()) for run, _ in todo})
-        bar = tqdm(total=steps.total, initial=steps.done(), desc="vase grid", unit="step", disable=not progress)
-        bar.set_postfix(runs=f"0/{len(jobs)} done")
-        lock = threading.Lock()
+    if not todo:
+        return finished, failed
+    jobs = [Job(run.name, train_arguments(spec, run, status) + ([] if until is None else ["--until", str(until)]),
+                str(run.run_dir), str(run.log)) for run, status, until in todo]
+    # The bar counts the runs' steps, read from their progress files, so that a grid of a few
+    # long runs moves as they train instead of at their ends.
+    steps = GridSteps({run.name: (run.run_dir, until or spec.config(run).data.total_steps())
+                       for run, _, until in todo})
+    desc = "vase grid" + (f" ({stage})" if stage else "")
+    bar = tqdm(total=steps.total, initial=steps.done(), desc=desc, unit="step", disable=not progress)
+    bar.set_postfix(runs=f"0/{len(jobs)} done")
+    lock = threading.Lock()
 
-        def refresh() -> None:
-            with lock:
-                bar.update(steps.done() - bar.n)
+    def refresh() -> None:
+        with lock:
+            bar.update(steps.done() - bar.n)
 
-        def on_done(job, outcome) -> None:
-            minutes, seconds = divmod(int(outcome.seconds), 60)
-            if outcome.ok:
-                finished.append(job.name)
-                steps.end(job.name)
-                line = f"done   {job.name} in {minutes}m{seconds:02d}s on {outcome.host}"
-            else:
-                why = outcome.error or f"exit code {outcome.returncode}; log {job.log}"
-                failed.append((job.name, why + ("\n" + outcome.log_tail if outcome.log_tail else "")))
-                line = f"FAILED {job.name}: {why}"
-            with lock:
-                bar.write(line) if progress else echo(line)
-                bar.set_postfix(runs=f"{len(finished) + len(failed)}/{len(jobs)} done")
-            refresh()
+    def on_done(job, outcome) -> None:
+        minutes, seconds = divmod(int(outcome.seconds), 60)
+        if outcome.ok:
+            finished.append(job.name)
+            steps.end(job.name)
+            what = "paused" if stage else "done  "
+            line = f"{what} {job.name} in {minutes}m{seconds:02d}s on {outcome.host}"
+        else:
+            why = outcome.error or f"exit code {outcome.returncode}; log {job.log}"
+            failed.append((job.name, why + ("\n" + outcome.log_tail if outcome.log_tail else "")))
+            line = f"FAILED {job.name}: {why}"
+        with lock:
+            bar.write(line) if progress else echo(line)
+            bar.set_postfix(runs=f"{len(finished) + len(failed)}/{len(jobs)} done")
+        refresh()
 
-        stop = threading.Event()
-        watcher = threading.Thread(target=_watch, args=(refresh, stop), daemon=True) if progress else None
+    stop = threading.Event()
+    watcher = threading.Thread(target=_watch, args=(refresh, stop), daemon=True) if progress else None
+    if watcher:
+        watcher.start()
+    try:
+        backend.run(jobs, on_done)
+    finally:
+        stop.set()
         if watcher:
-            watcher.start()
-        try:
-            backend.run(jobs, on_done)
-        finally:
-            stop.set()
-            if watcher:
-                watcher.join()
-            bar.close()
-    return GridReport(planned, finished, failed, write_table(spec, [run for run, _ in planned]))
+            watcher.join()
+        bar.close()
+    return finished, failed

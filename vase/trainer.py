@@ -212,16 +212,21 @@ class Trainer:
         return minutes > 0 and now() - self.checkpointed_at >= 60 * minutes
 
     # -- the loop ----------------------------------------------------------------------------------------
-    def train(self, resume: bool = False) -> dict:
+    def train(self, resume: bool = False, until: int | None = None) -> dict | None:
+        """Train to the sequence's end and return the results; or, with `until` before the end,
+        train to step `until`, checkpoint there and return None: a paused run that `resume`
+        continues exactly (how `vase grid --share-first-stage` stops its sources at a stage end)."""
         start = self.resume() if resume else 0
         self.checkpointed_at = now()
         self._call("on_train_start", start)
         total = self.stream.total_steps
+        pause = until is not None and until < total
+        stop = max(start, until) if pause else total
         bar = tqdm(total=total, initial=start, disable=not self.progress, desc="vase train", unit="step")
         interrupt = InterruptBetweenSteps()
         restore_sigint = interrupt.install()
         try:
-            for t in range(start, total):
+            for t in range(start, stop):
                 if interrupt.requested:  # a Ctrl-C or SIGTERM that came during the previous step
                     self._stop_between_steps()
                 x = self.stream.batch(t, self.learner.generator)
@@ -240,10 +245,14 @@ class Trainer:
                 if boundary or step.every(self.cfg.train.checkpoint_every) or self._checkpoint_due():
                     self.checkpoint(keep=boundary)
                 bar.update(1)
+            if pause and self.learner.step > (self.last_checkpoint or 0):
+                self.checkpoint()
         finally:
             bar.close()
             self._call("on_train_end")
             restore_sigint()
+        if pause:
+            return None
         results = self.evaluator.results() | {"branch": branch_origin(self.run_dir)}
         write_atomic(self.run_dir / "results.json", json.dumps(results, indent=2).encode())
         return results
