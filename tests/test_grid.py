@@ -642,6 +642,23 @@ def test_rows_branched_from_sdas_first_stage_are_the_rows_trained_from_step_0(tm
 
 
 @pytest.mark.slow
+def test_entangled_rows_share_the_entangled_sdas_first_stage(tmp_path, sprite_data):
+    root = tmp_path / "grid"
+    args = grid_cli_args(root, sprite_data, rows="SDA,-,SD")
+    args[args.index("disentangled")] = "entangled"
+    result = invoke(args + ["--share-first-stage", "--workers", "2"])
+    assert result.exit_code == 0, result.output
+    for row in ("-", "SD"):
+        ran = read_results(root / f"{grid_module.row_slug(row)}-entangled-s0")
+        assert ran["branch"]["source"] == "SDA-entangled-s0", row
+        straight = tmp_path / f"straight-{grid_module.row_slug(row)}"
+        made = invoke(tiny_args(straight, sprite_data, steps=int(STEPS)) + ["--sequence", SEQUENCE, f"--ablation={row}",
+                                                                             "--entangled"])
+        assert made.exit_code == 0, made.output
+        assert comparable(ran) == comparable(read_results(straight)), row
+
+
+@pytest.mark.slow
 def test_a_row_whose_source_allocated_in_its_first_stage_trains_from_step_0(tmp_path, sprite_data):
     """Where SDA's first stage is not the row's (here a hand-made second slot at its end), the cell
     is not branched: it trains from step 0, and the grid says why."""
