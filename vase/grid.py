@@ -395,8 +395,7 @@ def run_grid(spec: GridSpec, backend, echo=print, progress: bool = True) -> Grid
         sources = {first_stage_source(run) for run in branching}
         first = [(src, status_of[src.name], first_stage_end(spec, src)) for src in sorted(sources, key=lambda r: r.name)
                  if status_of[src.name] != DONE and first_stage_end(spec, src) not in kept_stage_steps(src.run_dir)]
-        done, lost = _train(spec, backend, [(src, status, end) for src, status, end in first], echo, progress,
-                            "first stages")
+        _, lost = _train(spec, backend, first, echo, progress, "first stages")
         failed += lost
         lost_sources = {name for name, _ in lost}
         for run in branching:
