@@ -81,6 +81,16 @@ def test_the_switches_turned_off_at_the_first_stage_end_train_the_cci_vae_run(st
     assert any(not torch.equal(classifier[k], scratch_at["classifier"][k]) for k in classifier)
 
 
+def test_a_branch_not_yet_trained_says_it_has_come_as_far_as_its_step(straight, tmp_path):
+    from vase.branching import plan_branch, write_branch
+    from vase.progress_file import read_progress
+
+    target = tmp_path / "b"
+    write_branch(plan_branch(straight, STAGE, ["inference.enabled=false"]), target)
+    assert read_progress(target) == STAGE
+    assert json.loads((target / "progress.json").read_text())["total"] == 3 * STAGE
+
+
 def test_a_branch_may_change_the_length_of_the_stages_after_its_step(straight, tmp_path):
     result = branch(straight, tmp_path / "b", "--at", str(STAGE), "--steps", f"{STAGE},{STAGE},4")
     assert result.exit_code == 0, result.output

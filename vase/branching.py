@@ -33,6 +33,7 @@ from vase.checkpoint import (
 from vase.config import Config, load_run_config
 from vase.errors import VaseError
 from vase.evaluation import ENCODER_DIR, SLOTS_DIR
+from vase.progress_file import PROGRESS_FILE
 from vase.tensorboard_logger import TB_DIR
 
 BRANCH_FILE = "branch.json"
@@ -119,7 +120,7 @@ def check_trained_as_one_slot(before: Config, state: dict, step: int) -> None:
 def write_branch(branch: Branch, target: Path) -> None:
     """Into the new run directory `target`: the source's checkpoint of the branch's step, and what
     the run's outputs rest on up to it: TensorBoard (cut at the step when the branch starts to
-    train), the probe points' encoders and slots, the kept stage ends; then branch.json."""
+    train), the probe points' encoders and slots, the kept stage ends, the progress file; then branch.json."""
     source, step = branch.source, branch.step
     src, dst = checkpoint_dir(source), checkpoint_dir(target)
     for folder in (ENCODER_DIR, SLOTS_DIR):
@@ -136,6 +137,8 @@ def write_branch(branch: Branch, target: Path) -> None:
         shutil.copytree(source / TB_DIR, target / TB_DIR)
     save_checkpoint(target, branch.state, {"step": step, "ablation": branch.cfg.ablation()},
                     keep=step in branch.cfg.data.stage_ends())
+    # how far the run has come, for `vase grid`'s bar and dry run before the branch starts to train
+    write_atomic(target / PROGRESS_FILE, json.dumps({"step": step, "total": branch.cfg.data.total_steps()}).encode())
     write_atomic(target / BRANCH_FILE, json.dumps(
         {"source": str(source), "step": step, "overrides": branch.overrides}, indent=2).encode())
 
