@@ -155,21 +155,26 @@ BRANCH = "branch"  # a new cell that starts from its SDA cell's first stage end 
 SHARED_ROW = "SDA"
 
 
-def config_differences(saved: Config, wanted: Config) -> list[str]:
-    """'section.field: saved -> wanted' for every setting that differs (where things live, and
-    settings neither run's training reads, excepted)."""
-    a, b = saved.to_dict(), wanted.to_dict()
-    ignored = WHERE_NOT_WHAT | (saved.inert_settings() & wanted.inert_settings())
+def _field_differences(a: dict, b: dict, ignored: set[str]) -> list[tuple[str, object, object]]:
+    """(section.field, a's value, b's value) for every setting of two config dicts that differs."""
     out = []
     for section in sorted(set(a) | set(b)):
         sa, sb = a.get(section), b.get(section)
         if isinstance(sa, dict) and isinstance(sb, dict):
             for key in sorted(set(sa) | set(sb)):
                 if f"{section}.{key}" not in ignored and sa.get(key) != sb.get(key):
-                    out.append(f"{section}.{key}: {sa.get(key)!r} -> {sb.get(key)!r}")
+                    out.append((f"{section}.{key}", sa.get(key), sb.get(key)))
         elif sa != sb:
-            out.append(f"{section}: {sa!r} -> {sb!r}")
+            out.append((section, sa, sb))
     return out
+
+
+def config_differences(saved: Config, wanted: Config) -> list[str]:
+    """'section.field: saved -> wanted' for every setting that differs (where things live, and
+    settings neither run's training reads, excepted)."""
+    ignored = WHERE_NOT_WHAT | (saved.inert_settings() & wanted.inert_settings())
+    return [f"{name}: {was!r} -> {now!r}" for name, was, now in
+            _field_differences(saved.to_dict(), wanted.to_dict(), ignored)]
 
 
 def run_status(spec: GridSpec, run: GridRun) -> str:
@@ -298,14 +303,8 @@ def _setting_text(value) -> str:
 def branch_overrides(spec: GridSpec, run: GridRun) -> list[str]:
     """The `--set`s that turn the SDA cell's config into `run`'s: the row's switches."""
     source, wanted = spec.config(first_stage_source(run)).to_dict(), spec.config(run).to_dict()
-    out = []
-    for section in sorted(wanted):
-        if isinstance(wanted[section], dict):
-            for key in sorted(wanted[section]):
-                value = wanted[section][key]
-                if f"{section}.{key}" not in WHERE_NOT_WHAT and source[section].get(key) != value:
-                    out.append(f"{section}.{key}={_setting_text(value)}")
-    return out
+    return [f"{name}={_setting_text(value)}" for name, _, value in _field_differences(source, wanted, WHERE_NOT_WHAT)
+            if "." in name]
 
 
 def start_branch(spec: GridSpec, run: GridRun) -> str | None:
@@ -392,9 +391,10 @@ def run_grid(spec: GridSpec, backend, echo=print, progress: bool = True) -> Grid
     branching = [run for run, status in planned if status == BRANCH]
     if branching:
         status_of = {run.name: status for run, status in planned}
-        sources = {first_stage_source(run) for run in branching}
-        first = [(src, status_of[src.name], first_stage_end(spec, src)) for src in sorted(sources, key=lambda r: r.name)
-                 if status_of[src.name] != DONE and first_stage_end(spec, src) not in kept_stage_steps(src.run_dir)]
+        sources = sorted({first_stage_source(run) for run in branching}, key=lambda r: r.name)
+        ends = {src.name: first_stage_end(spec, src) for src in sources}
+        first = [(src, status_of[src.name], ends[src.name]) for src in sources
+                 if status_of[src.name] != DONE and ends[src.name] not in kept_stage_steps(src.run_dir)]
         _, lost = _train(spec, backend, first, echo, progress, "first stages")
         failed += lost
         lost_sources = {name for name, _ in lost}
