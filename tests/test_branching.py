@@ -46,6 +46,26 @@ def test_a_branch_without_overrides_is_the_source_run_from_its_step_on(straight,
     assert read_results(straight)["branch"] is None
 
 
+def test_a_branch_killed_while_it_copies_leaves_no_run_and_the_next_attempt_branches(
+        straight, tmp_path, monkeypatch):
+    """The copy goes to a hidden staging folder renamed into place, so a kill half-way leaves nothing
+    that `--resume` or `vase grid` would take for a run, and the same command then branches."""
+    import vase.branching
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    b = tmp_path / "b"
+    with monkeypatch.context() as m:
+        m.setattr(vase.branching, "save_checkpoint", killed)  # after the encoders and TensorBoard are copied
+        assert branch(straight, b, "--at", str(STAGE)).exit_code != 0
+    assert not b.exists() and (tmp_path / ".b.partial" / "tb").is_dir()
+    result = branch(straight, b, "--at", str(STAGE))
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
+    assert_same_learner(learner_state(b), learner_state(straight))
+
+
 def test_a_branch_with_other_rules_keeps_the_history_before_its_step(straight, tmp_path):
     b = tmp_path / "paper"
     result = branch(straight, b, "--at", str(STAGE), "--set", "inference.rules=paper")

@@ -6,6 +6,7 @@ the loop's hook points as callbacks (`vase.callbacks`).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import threading
@@ -108,21 +109,29 @@ def prepare_run_dir(path: Path, cfg: Config, resume: bool = False, overwrite: bo
                     fill: Callable[[Path], None] | None = None) -> None:
     """Create a new run directory holding config.json, written before the first step so that a run
     killed at any later moment can be resumed. Call it once the data has loaded, so that bad input
-    leaves no directory behind. `fill` writes what the run starts from (a branch's checkpoint)
-    before config.json, so that a directory killed half-filled is never resumed as a run."""
+    leaves no directory behind. `fill` writes what the run starts from (a branch's checkpoint) into
+    a hidden staging folder beside it, which is renamed into place with its config.json, so that a
+    kill while it copies leaves no half-filled run, only staging that the next attempt replaces."""
     check_run_dir(path, resume, overwrite)
     path = Path(path)
     if resume:
         return
     if path.exists() and any(path.iterdir()):
         shutil.rmtree(path)
+    staging = path.with_name(f".{path.name}.partial") if fill is not None else path
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        if staging != path and staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise VaseError(f"cannot create run directory {path} ({e.strerror or e})") from e
     if fill is not None:
-        fill(path)
-    write_atomic(path / "config.json", cfg.to_json().encode())
+        fill(staging)
+    write_atomic(staging / "config.json", cfg.to_json().encode())
+    if staging != path:
+        if path.exists():
+            path.rmdir()  # empty: a folder the user made for the run
+        os.replace(staging, path)
 
 
 class Trainer:
