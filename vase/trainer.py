@@ -118,17 +118,18 @@ def prepare_run_dir(path: Path, cfg: Config, resume: bool = False, overwrite: bo
         return
     if path.exists() and any(path.iterdir()):
         shutil.rmtree(path)
-    staging = path.with_name(f".{path.name}.partial") if fill is not None else path
+    staged = fill is not None
+    staging = path.with_name(f".{path.name}.partial") if staged else path
     try:
-        if staging != path and staging.exists():
+        if staged and staging.exists():
             shutil.rmtree(staging)
         staging.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise VaseError(f"cannot create run directory {path} ({e.strerror or e})") from e
-    if fill is not None:
+    if staged:
         fill(staging)
     write_atomic(staging / "config.json", cfg.to_json().encode())
-    if staging != path:
+    if staged:
         if path.exists():
             path.rmdir()  # empty: a folder the user made for the run
         os.replace(staging, path)
