@@ -228,8 +228,9 @@ _FLAG_NAMES = {"overrides": "set", "branch_dir": "branch", "branch_step": "at"}
                    "keeps (its two newest and one at each stage end).")
 @click.option("--replay", type=click.IntRange(min=0), default=None, metavar="STEP",
               help="Instead: step the run on from its kept checkpoint of STEP, in memory, and print each "
-                   "batch's verdict, q_psi's pick, eq. 6's tests, KL against C(t) and its most atypical "
-                   "latents: the batches a run's events do not list (docs/regime.md).")
+                   "batch's verdict, q_psi's pick, eq. 6's tests, KL against C(t), its most atypical "
+                   "latents and the latents eq. 5 turned on or off in its slot: the batches a run's events "
+                   "do not list (docs/regime.md).")
 @click.option("--count", type=click.IntRange(min=1), default=20, show_default=True,
               help="With --replay: how many steps.")
 @click.option("--latents", default=None, metavar="LIST",

@@ -4,9 +4,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from test_cli import fails_in_one_line, invoke, sprite_data, tiny_args  # noqa: F401 (sprite_data is a fixture)
 from test_reliability import read_results, scalar_series
 
+from vase.checkpoint import load_checkpoint
 from vase.replay import replay, replay_text
 
 STAGE = 8  # steps per environment: stages end at 8, 16 and 24, each a kept checkpoint
@@ -39,6 +41,36 @@ def test_the_replay_is_the_run_itself_and_writes_nothing(run):
     assert [r.true_env for r in rows] == [1] * STAGE + [2] * STAGE
     assert all(len(r.alpha) == 3 for r in rows)
     assert list(rows[0].alpha.values()) == sorted(rows[0].alpha.values(), reverse=True)
+
+
+@pytest.fixture(scope="module")
+def flipping(tmp_path_factory, sprite_data):  # noqa: F811
+    """A run whose masks move: eq. 5 alone, with a threshold that single batches cross."""
+    path = tmp_path_factory.mktemp("replay") / "flipping"
+    result = invoke(tiny_args(path, sprite_data, steps=STAGE, inference__rules="paper", mask__lambda_low=0.04,
+                                  mask__lambda_high=0.05))
+    assert result.exit_code == 0, result.output
+    return path
+
+
+def slot_masks(run, step):
+    state, _ = load_checkpoint(run, step)
+    return state["learner"]["inference"]["slots"]["mask"].bool()
+
+
+def test_the_mask_changes_it_reports_lead_from_one_checkpoint_to_the_next(flipping):
+    run = flipping
+    masks = slot_masks(run, STAGE).clone()
+    rows = replay(run, STAGE, 2 * STAGE)
+    assert any(r.mask_on or r.mask_off for r in rows)  # the case can fail: eq. 5 moved some a^s here
+    for r in rows:
+        assert not set(r.mask_on) & set(r.mask_off)
+        assert not masks[r.env, r.mask_on].any() and masks[r.env, r.mask_off].all()  # each is a change
+        masks[r.env, r.mask_on], masks[r.env, r.mask_off] = True, False
+    assert torch.equal(masks, slot_masks(run, 3 * STAGE))  # the stage end's kept checkpoint
+    changed = next(r for r in rows if r.mask_on)
+    line = next(line for line in replay_text(rows).splitlines() if line.split()[0] == str(changed.step))
+    assert line.endswith(" ".join([f"+z{n}" for n in changed.mask_on] + [f"-z{n}" for n in changed.mask_off]))
 
 
 def test_the_text_and_json_carry_each_step(run):
