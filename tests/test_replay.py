@@ -47,8 +47,8 @@ def test_the_replay_is_the_run_itself_and_writes_nothing(run):
 def flipping(tmp_path_factory, sprite_data):  # noqa: F811
     """A run whose masks move: eq. 5 alone, with a threshold that single batches cross."""
     path = tmp_path_factory.mktemp("replay") / "flipping"
-    result = invoke(tiny_args(path, sprite_data, steps=STAGE, inference__rules="paper", mask__lambda_low=0.04,
-                                  mask__lambda_high=0.05))
+    result = invoke(tiny_args(path, sprite_data, steps=STAGE, inference__rules="paper",
+                              mask__lambda_low=0.04, mask__lambda_high=0.05))
     assert result.exit_code == 0, result.output
     return path
 
@@ -59,15 +59,14 @@ def slot_masks(run, step):
 
 
 def test_the_mask_changes_it_reports_lead_from_one_checkpoint_to_the_next(flipping):
-    run = flipping
-    masks = slot_masks(run, STAGE).clone()
-    rows = replay(run, STAGE, 2 * STAGE)
+    masks = slot_masks(flipping, STAGE).clone()
+    rows = replay(flipping, STAGE, 2 * STAGE)
     assert any(r.mask_on or r.mask_off for r in rows)  # the case can fail: eq. 5 moved some a^s here
     for r in rows:
         assert not set(r.mask_on) & set(r.mask_off)
         assert not masks[r.env, r.mask_on].any() and masks[r.env, r.mask_off].all()  # each is a change
         masks[r.env, r.mask_on], masks[r.env, r.mask_off] = True, False
-    assert torch.equal(masks, slot_masks(run, 3 * STAGE))  # the stage end's kept checkpoint
+    assert torch.equal(masks, slot_masks(flipping, 3 * STAGE))  # the stage end's kept checkpoint
     changed = next(r for r in rows if r.mask_on)
     line = next(line for line in replay_text(rows).splitlines() if line.split()[0] == str(changed.step))
     assert line.endswith(" ".join([f"+z{n}" for n in changed.mask_on] + [f"-z{n}" for n in changed.mask_off]))
