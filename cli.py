@@ -101,7 +101,8 @@ def main(ctx):
               help="Start a new run from RUN_DIR's checkpoint of step --at, with RUN_DIR's config and any "
                    "--set or --steps that leave the steps before it alone (docs/usage.md).")
 @click.option("--at", "branch_step", type=click.IntRange(min=1), default=None,
-              help="With --branch: the step of a checkpoint RUN_DIR keeps (its two newest, or a stage end).")
+              help="With --branch: the step of a checkpoint RUN_DIR keeps (its two newest, a stage end, "
+                   "or one every train.keep_every steps).")
 @click.option("--until", "until", type=click.IntRange(min=1), default=None, metavar="STEP",
               help="Stop after step STEP with a checkpoint, to go on later with --resume (not part of the "
                    "run's config).")
@@ -225,7 +226,7 @@ _FLAG_NAMES = {"overrides": "set", "branch_dir": "branch", "branch_step": "at"}
                    "e.g. fashion,mnist: what q_psi keys on (`vase data list` names them).")
 @click.option("--step", type=int, default=None,
               help="With --classifier or --own-slot: read the checkpoint of this step instead, one a run "
-                   "keeps (its two newest and one at each stage end).")
+                   "keeps (its two newest, one at each stage end, and one every train.keep_every steps).")
 @click.option("--replay", type=click.IntRange(min=0), default=None, metavar="STEP",
               help="Instead: step the run on from its kept checkpoint of STEP, in memory, and print each "
                    "batch's verdict, q_psi's pick, eq. 6's tests, KL against C(t), its most atypical "

@@ -40,7 +40,7 @@ def test_a_branch_without_overrides_is_the_source_run_from_its_step_on(straight,
     assert_same_learner(learner_state(b), learner_state(straight))
     assert comparable(read_results(b)) == comparable(read_results(straight))
     assert scalar_series(b / "tb") == scalar_series(straight / "tb")
-    assert checkpoint.kept_stage_steps(b) == checkpoint.kept_stage_steps(straight) == [STAGE, 2 * STAGE, 3 * STAGE]
+    assert checkpoint.kept_steps(b) == checkpoint.kept_steps(straight) == [STAGE, 2 * STAGE, 3 * STAGE]
     assert json.loads((b / "branch.json").read_text()) == {"source": str(straight), "step": STAGE, "overrides": []}
     assert read_results(b)["branch"] == {"source": "straight", "step": STAGE, "overrides": []}
     assert read_results(straight)["branch"] is None

@@ -223,6 +223,7 @@ def test_a_setting_of_named_choices_takes_those_names_and_refuses_others(key):
     ("inference.patience=0", "inference.patience must be at least 1"),
     ("dream.snapshot_every=0", "dream.snapshot_every must be at least 1"),
     ("train.checkpoint_minutes=-1", r"train.checkpoint_minutes must be >= 0 \(0: checkpoint by steps only\)"),
+    ("train.keep_every=-1", r"train.keep_every must be >= 0 \(0: keep the stage ends only\)"),
     ("train.checkpoint_every=0", "train.checkpoint_every must be at least 1"),
     ("train.log_every=0", "train.log_every must be at least 1"),
     ("train.image_every=0", "train.image_every must be at least 1"),

@@ -232,7 +232,7 @@ def test_inspect_reads_an_older_kept_checkpoint(tiny_run):
 
 def test_each_stage_end_is_kept_and_inspect_reads_it(tiny_run):
     # Stages end at steps 4 and 8; checkpoints every 2 steps leave latest 8 and previous 6.
-    assert checkpoint.kept_stage_steps(tiny_run) == [4, 8]
+    assert checkpoint.kept_steps(tiny_run) == [4, 8]
     first_stage = open_run(tiny_run, step=4)
     assert first_stage.learner.step == 4 and first_stage.learner.inference.n_envs == 1
     result = invoke(["inspect", tiny_run, "latent_use", "--step", 4])

@@ -279,14 +279,14 @@ def test_a_save_killed_between_renames_leaves_a_verified_checkpoint(tmp_path, mo
 def test_a_stage_end_checkpoint_stays_after_newer_saves_and_loads_by_its_step(tmp_path):
     for step in (2, 4, 6, 8):
         save_checkpoint(tmp_path, {"x": torch.tensor([step])}, {"step": step}, keep=step == 4)
-    assert checkpoint.kept_stage_steps(tmp_path) == [4]
+    assert checkpoint.kept_steps(tmp_path) == [4]
     state, meta = load_checkpoint(tmp_path)  # resume still takes the newest
     assert meta["step"] == 8 and int(state["x"]) == 8
     state, meta = load_checkpoint(tmp_path, 4)  # rotated out of latest/previous long ago
     assert meta["step"] == 4 and int(state["x"]) == 4
     with pytest.raises(CheckpointError, match="here of step 4, 6, 8"):
         load_checkpoint(tmp_path, 5)
-    checkpoint.stage_path(tmp_path, 4).write_bytes(b"torn")
+    checkpoint.kept_path(tmp_path, 4).write_bytes(b"torn")
     with pytest.raises(CheckpointError, match="step-00000004.pt is truncated or corrupted"):
         load_checkpoint(tmp_path, 4)
 
@@ -475,8 +475,8 @@ def test_sigkill_at_any_moment_then_resume_is_bit_identical(tmp_path, sprite_dat
     straight_encoders = sorted(p.name for p in (straight / "checkpoints" / "encoders").iterdir())
     assert sorted(p.name for p in (killed / "checkpoints" / "encoders").iterdir()) == straight_encoders
     # The checkpoints kept at the stage ends are those of the straight run.
-    stages = checkpoint.kept_stage_steps(straight)
-    assert len(stages) == len(read_results(straight)["sequence"]) and checkpoint.kept_stage_steps(killed) == stages
+    stages = checkpoint.kept_steps(straight)
+    assert len(stages) == len(read_results(straight)["sequence"]) and checkpoint.kept_steps(killed) == stages
     for step in stages:
         assert_same_learner(load_checkpoint(killed, step)[0]["learner"], load_checkpoint(straight, step)[0]["learner"])
 
@@ -593,6 +593,31 @@ def test_a_run_checkpoints_by_the_clock_too_and_that_changes_nothing_it_trains(t
     crash_at[0] = None
     assert CliRunner().invoke(main, ["train", "--resume", str(run)]).exit_code == 0
     assert comparable(read_results(run)) == straight
+
+
+def test_train_keep_every_keeps_those_checkpoints_for_good_and_a_branch_from_one_is_the_run(tmp_path, sprite_data):
+    """train.keep_every: the checkpoints of every N steps stay beside the stage ends', training is
+    unchanged by them, and a branch without overrides from one of them trains on as the run did."""
+    def args(run: Path, keep_every: int) -> list[str]:
+        settings = {"train__checkpoint_every": 1000, "train__keep_every": keep_every}
+        return tiny_args(run, sprite_data, steps=10, **settings) + ["--sequence", "moving_shapes_a,shapes_b"]
+
+    straight, kept = tmp_path / "straight", tmp_path / "kept"
+    assert CliRunner().invoke(main, args(straight, 0)).exit_code == 0
+    assert CliRunner().invoke(main, args(kept, 4)).exit_code == 0
+    assert checkpoint.kept_steps(straight) == [10, 20]
+    assert checkpoint.kept_steps(kept) == [4, 8, 10, 12, 16, 20]
+    assert comparable(read_results(kept)) == comparable(read_results(straight))
+    state, meta = load_checkpoint(kept, step=12)
+    assert meta["step"] == 12
+    with pytest.raises(CheckpointError, match=r"no checkpoint of step 6 .* here of step 4, 8, 10, 12, 16, 20"):
+        load_checkpoint(kept, step=6)
+    branch = tmp_path / "branch"
+    result = CliRunner().invoke(main, ["train", "--branch", str(kept), "--at", "12", "--run-dir", str(branch),
+                                       "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert checkpoint.kept_steps(branch) == [4, 8, 10, 12, 16, 20]
+    assert comparable(read_results(branch)) == comparable(read_results(straight))
 
 
 def test_a_second_ctrl_c_interrupts_at_once_unless_it_is_the_grids_echo_of_the_first(monkeypatch):

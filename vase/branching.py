@@ -2,9 +2,10 @@
 
 A question about one moment of a run, such as how another inference rule would judge the batches
 of an environment that arrives at step N, needs the run's state at N, not its first N steps again.
-A branch copies that state (a checkpoint the source keeps: its two newest and one at each stage
-end), with the history the run's outputs rest on up to N (TensorBoard, the encoders and slots of
-the probe points, the kept stage ends), into a new run directory whose config is the source's
+A branch copies that state (a checkpoint the source keeps: its two newest, and those kept for good
+at each stage end and every train.keep_every steps), with the history the run's outputs rest on up
+to N (TensorBoard, the encoders and slots of the probe points, the checkpoints kept for good), into
+a new run directory whose config is the source's
 with the overrides applied, and trains from N on. With no override, the branch is the source run
 from N on, bit for bit (tested).
 
@@ -24,10 +25,10 @@ from vase import rules
 from vase.checkpoint import (
     STAGES_DIR,
     checkpoint_dir,
-    kept_stage_steps,
+    kept_path,
+    kept_steps,
     load_checkpoint,
     save_checkpoint,
-    stage_path,
     write_atomic,
 )
 from vase.config import Config, load_run_config
@@ -120,7 +121,8 @@ def check_trained_as_one_slot(before: Config, state: dict, step: int) -> None:
 def write_branch(branch: Branch, target: Path) -> None:
     """Into the new run directory `target`: the source's checkpoint of the branch's step, and what
     the run's outputs rest on up to it: TensorBoard (cut at the step when the branch starts to
-    train), the probe points' encoders and slots, the kept stage ends, the progress file; then branch.json."""
+    train), the probe points' encoders and slots, the checkpoints kept for good, the progress file;
+    then branch.json."""
     source, step = branch.source, branch.step
     src, dst = checkpoint_dir(source), checkpoint_dir(target)
     for folder in (ENCODER_DIR, SLOTS_DIR):
@@ -128,15 +130,15 @@ def write_branch(branch: Branch, target: Path) -> None:
             if int(path.stem.split("-")[1]) <= step:
                 (dst / folder).mkdir(parents=True, exist_ok=True)
                 shutil.copy2(path, dst / folder / path.name)
-    for kept in kept_stage_steps(source):
+    for kept in kept_steps(source):
         if kept < step:
             (dst / STAGES_DIR).mkdir(parents=True, exist_ok=True)
-            for path in (stage_path(source, kept), stage_path(source, kept).with_suffix(".json")):
+            for path in (kept_path(source, kept), kept_path(source, kept).with_suffix(".json")):
                 shutil.copy2(path, dst / STAGES_DIR / path.name)
     if (source / TB_DIR).is_dir():
         shutil.copytree(source / TB_DIR, target / TB_DIR)
     save_checkpoint(target, branch.state, {"step": step, "ablation": branch.cfg.ablation()},
-                    keep=step in branch.cfg.data.stage_ends())
+                    keep=step in branch.cfg.data.stage_ends() or branch.cfg.train.keeps(step))
     # how far the run has come, for `vase grid`'s bar and dry run before the branch starts to train
     write_atomic(target / PROGRESS_FILE, json.dumps({"step": step, "total": branch.cfg.data.total_steps()}).encode())
     write_atomic(target / BRANCH_FILE, json.dumps(

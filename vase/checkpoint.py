@@ -5,9 +5,10 @@ Layout in a run directory:
     checkpoints/latest.json      its metadata: step, sha256 of the .pt, format and config versions
     checkpoints/previous.pt/json the one before, kept as a fallback
     checkpoints/staged.pt/json   a new checkpoint on its way to becoming latest (only mid-save)
-    checkpoints/stages/step-N.pt/json  the checkpoint at the end of each environment's stage, kept
-                                 for reading a run as it stood there (`vase inspect --step`,
-                                 `vase eval --classifier --step`); resume never reads them
+    checkpoints/stages/step-N.pt/json  the checkpoints kept for good: the end of each environment's
+                                 stage, and every train.keep_every steps; for reading a run as it
+                                 stood there (`vase inspect --step`, `vase eval --classifier --step`,
+                                 `vase eval --replay`) or branching from it; resume never reads them
 
 Every file is written to a temporary name, fsynced and renamed, so no file is ever half written.
 A save then renames staged -> latest (and the old latest -> previous). A kill between two of those
@@ -109,14 +110,14 @@ def _scan(directory: Path, slots=SLOTS) -> tuple[dict[str, bytes], dict[str, dic
     return blobs, metas, pairs
 
 
-def stage_path(run_dir: Path, step: int) -> Path:
-    """Where the checkpoint kept at the stage end of `step` lives (its .json beside it)."""
+def kept_path(run_dir: Path, step: int) -> Path:
+    """Where the checkpoint kept for good at `step` lives (its .json beside it)."""
     return checkpoint_dir(run_dir) / STAGES_DIR / f"step-{step:08d}.pt"
 
 
 def save_checkpoint(run_dir: Path, state: dict[str, Any], meta: dict[str, Any], keep: bool = False) -> Path:
     """Save `state`; the old latest becomes previous only after the new one is safely on disk. With
-    `keep` (a stage end), a copy also stays under stages/ for good."""
+    `keep` (a stage end, or train.keep_every), a copy also stays under stages/ for good."""
     directory = checkpoint_dir(run_dir)
     buffer = io.BytesIO()
     torch.save(state, buffer)
@@ -125,7 +126,7 @@ def save_checkpoint(run_dir: Path, state: dict[str, Any], meta: dict[str, Any], 
     try:
         directory.mkdir(parents=True, exist_ok=True)
         if keep:  # before the promotion: a run killed in between trains to this step again and rewrites it
-            kept = stage_path(run_dir, int(meta["step"]))
+            kept = kept_path(run_dir, int(meta["step"]))
             kept.parent.mkdir(exist_ok=True)
             write_atomic(kept, data)
             write_atomic(kept.with_suffix(".json"), json.dumps(meta, indent=2).encode())
@@ -188,7 +189,8 @@ def load_checkpoint(run_dir: Path, step: int | None = None) -> tuple[dict, dict]
     """Load the newest checkpoint that verifies; say so (a warning) when that is not latest.pt.
 
     With `step`, load the verified checkpoint of that step instead, with no warning: the older one
-    was asked for. A run keeps two, latest and previous, and one at each stage end (`stages/`).
+    was asked for. A run keeps two, latest and previous, and those kept for good (`stages/`): one at
+    each stage end, and one every train.keep_every steps.
 
     A checkpoint whose checksum fails is skipped; one that verifies but was written by an
     incompatible version, or that the safe loader refuses, stops the resume with an error instead of
@@ -204,16 +206,16 @@ def load_checkpoint(run_dir: Path, step: int | None = None) -> tuple[dict, dict]
             "checkpoint file verifies against its sha256"
         )
     if step is not None:
-        kept = sorted({int(p[0].get("step", -1)) for p in pairs} | set(kept_stage_steps(run_dir)))
+        kept = sorted({int(p[0].get("step", -1)) for p in pairs} | set(kept_steps(run_dir)))
         pairs = [p for p in pairs if int(p[0].get("step", -1)) == step]
         if not pairs:
-            stage = _kept_stage(run_dir, step)
-            if stage is None:
+            found = _kept(run_dir, step)
+            if found is None:
                 raise CheckpointError(
                     f"no checkpoint of step {step} in {directory}: a run keeps its two newest checkpoints "
-                    f"and one at each stage end, here of step {', '.join(map(str, kept))}"
+                    f"and those kept for good (stage ends, train.keep_every), here of step {', '.join(map(str, kept))}"
                 )
-            meta, blob, path = stage
+            meta, blob, path = found
             return _unpickle(blob, meta, path), meta
     meta, pt_slot, meta_slot = pairs[0]
     path = directory / f"{pt_slot}.pt"
@@ -228,15 +230,15 @@ def load_checkpoint(run_dir: Path, step: int | None = None) -> tuple[dict, dict]
     return state, meta
 
 
-def kept_stage_steps(run_dir: Path) -> list[int]:
-    """The steps of the stage-end checkpoints a run kept."""
+def kept_steps(run_dir: Path) -> list[int]:
+    """The steps of the checkpoints a run kept for good (stage ends, train.keep_every)."""
     paths = (checkpoint_dir(run_dir) / STAGES_DIR).glob("step-*.pt")
     return sorted(int(path.stem.split("-")[1]) for path in paths)
 
 
-def _kept_stage(run_dir: Path, step: int) -> tuple[dict, bytes, Path] | None:
-    """The stage-end checkpoint of `step` as (meta, bytes, path), if it is kept and verifies."""
-    path = stage_path(run_dir, step)
+def _kept(run_dir: Path, step: int) -> tuple[dict, bytes, Path] | None:
+    """The checkpoint kept for good at `step` as (meta, bytes, path), if there is one and it verifies."""
+    path = kept_path(run_dir, step)
     meta = _read_meta(path.with_suffix(".json"))
     if meta is None or not path.is_file():
         return None

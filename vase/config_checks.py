@@ -33,6 +33,7 @@ BOUNDS: tuple[tuple[Callable[[Config], bool], str], ...] = (
     (lambda c: c.inference.patience >= 1, "inference.patience must be at least 1"),
     (lambda c: c.dream.snapshot_every >= 1, "dream.snapshot_every must be at least 1"),
     (lambda c: c.train.checkpoint_minutes >= 0, "train.checkpoint_minutes must be >= 0 (0: checkpoint by steps only)"),
+    (lambda c: c.train.keep_every >= 0, "train.keep_every must be >= 0 (0: keep the stage ends only)"),
     *((lambda c, name=name: getattr(c.train, name) >= 1, f"train.{name} must be at least 1")
       for name in ("checkpoint_every", "log_every", "image_every")),
     (lambda c: c.probe.every >= 1 and c.probe.train_size >= 2 and c.probe.test_size >= 1,

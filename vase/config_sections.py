@@ -205,9 +205,17 @@ class TrainConfig:
     # killed without warning (SIGKILL: an out-of-memory kill, a lost node) loses at most that much
     # work; 0: by steps only. A checkpoint changes nothing that is trained (docs/reliability.md).
     checkpoint_minutes: float = 10.0
+    # Also keep the checkpoint of every this-many steps for good, beside the stage ends'
+    # (checkpoints/stages/), so that a run can be replayed (`vase eval --replay`), inspected or
+    # branched from any of them, as a rare event such as a flip of eq. 5 asks; 0: stage ends only.
+    keep_every: int = 0
     log_every: int = 50
     image_every: int = 500
     progress: bool = True
+
+    def keeps(self, step: int) -> bool:
+        """Whether train.keep_every keeps the checkpoint of `step` for good (a stage end's always is)."""
+        return self.keep_every > 0 and step % self.keep_every == 0
 
 
 PROBE_READINGS = ("mean", "sample")  # ProbeConfig.reading

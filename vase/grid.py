@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from vase.checkpoint import kept_stage_steps, write_atomic
+from vase.checkpoint import kept_steps, write_atomic
 from vase.config import CONFIG_VERSION, Config, build_config, load_run_config, option_overrides
 from vase.config_sections import CHOICES
 from vase.config_values import comma_list
@@ -284,7 +284,7 @@ def dry_run_lines(spec: GridSpec) -> list[str]:
         else:
             what = "kept" if status == DONE else "vase " + " ".join(train_arguments(spec, run, status))
             end = first_stage_end(spec, run)
-            if run.name in sources and status != DONE and end not in kept_stage_steps(run.run_dir):
+            if run.name in sources and status != DONE and end not in kept_steps(run.run_dir):
                 what += f" --until {end}, then again with --resume"
         lines.append(f"{status:6s} {run.name}{where}: {what}")
     return lines
@@ -394,7 +394,7 @@ def run_grid(spec: GridSpec, backend, echo=print, progress: bool = True) -> Grid
         sources = sorted({first_stage_source(run) for run in branching}, key=lambda r: r.name)
         ends = {src.name: first_stage_end(spec, src) for src in sources}
         first = [(src, status_of[src.name], ends[src.name]) for src in sources
-                 if status_of[src.name] != DONE and ends[src.name] not in kept_stage_steps(src.run_dir)]
+                 if status_of[src.name] != DONE and ends[src.name] not in kept_steps(src.run_dir)]
         _, lost = _train(spec, backend, first, echo, progress, "first stages")
         failed += lost
         lost_sources = {name for name, _ in lost}

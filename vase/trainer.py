@@ -204,7 +204,8 @@ class Trainer:
         return self.learner.step
 
     def checkpoint(self, keep: bool = False) -> None:
-        """Save the run's state; with `keep` (a stage end) it also stays for good (`vase.checkpoint`)."""
+        """Save the run's state; with `keep` (a stage end, or train.keep_every) it also stays for good
+        (`vase.checkpoint`)."""
         self._call("on_checkpoint")
         try:
             save_checkpoint(
@@ -252,8 +253,9 @@ class Trainer:
                     bar.set_postfix(env=f"{step.true_env}->{out.decision.env}", loss=f"{out.losses['total']:.1f}")
                 if boundary:
                     self._call("on_boundary", step)
-                if boundary or step.every(self.cfg.train.checkpoint_every) or self._checkpoint_due():
-                    self.checkpoint(keep=boundary)
+                keep = boundary or self.cfg.train.keeps(step.done)
+                if keep or step.every(self.cfg.train.checkpoint_every) or self._checkpoint_due():
+                    self.checkpoint(keep=keep)
                 bar.update(1)
             if pause and self.learner.step > (self.last_checkpoint or 0):
                 self.checkpoint()
