@@ -350,8 +350,14 @@ def _typicality(run_dir: Path, steps: str, batches: int, as_json: bool, device) 
 @click.option("--in-progress", "in_progress", is_flag=True,
               help="Also read runs still training, each at its newest checkpoint: MAX over the environments "
                    "begun, CHANGE over the stages ended; their rows are named 'in progress' (docs/usage.md).")
+@click.option("--curves", default=None, metavar="STEPS",
+              help="Instead: the runs' probe readings side by side at these steps, e.g. 60000-180000:4000, "
+                   "as markdown, from results.json or the newest checkpoint (docs/usage.md).")
+@click.option("--envs", default=None, metavar="ENVS",
+              help="With --curves: the environments each cell reads, e.g. moving_fashion,mnist "
+                   "(default: the run's sequence).")
 @_device_option()
-def table(run_dirs, as_json, markdown, output, readme, in_progress, device):
+def table(run_dirs, as_json, markdown, output, readme, in_progress, curves, envs, device):
     """Table 1 from finished runs: one row per ablation and mode, mean (±std) over their seeds.
 
     Give the run directories of a grid, e.g. `vase table runs/*`. Runs of different sequences
@@ -362,6 +368,10 @@ def table(run_dirs, as_json, markdown, output, readme, in_progress, device):
     from vase.table1 import load_results, table1_rows, table1_text
 
     dirs = sorted(Path(d) for d in run_dirs)
+    if curves is not None or envs is not None:
+        _curves(dirs, curves, envs, [name for name, on in (("--json", as_json), ("--markdown", markdown),
+                ("--output", output), ("--readme", readme), ("--in-progress", in_progress)) if on])
+        return
     try:
         if in_progress and (output or readme):
             raise VaseError("--output and --readme write the committed results from finished runs; "
@@ -381,6 +391,19 @@ def table(run_dirs, as_json, markdown, output, readme, in_progress, device):
         click.echo(markdown_tables(rows))
     elif not (output or readme):
         click.echo(table1_text(rows))
+
+
+def _curves(dirs: list[Path], curves: str | None, envs: str | None, others: list[str]) -> None:
+    from vase.probe_curves import curves_markdown, parse_steps
+
+    try:
+        if curves is None:
+            raise VaseError("--envs goes with --curves STEPS: it picks the environments the curves read")
+        if others:
+            raise VaseError(f"--curves prints its own markdown table; drop {', '.join(others)}")
+        click.echo(curves_markdown(dirs, parse_steps(curves), comma_list(envs) if envs else None))
+    except VaseError as e:
+        _fail(e)
 
 
 @main.command(name="inspect")
