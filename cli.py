@@ -237,12 +237,15 @@ _FLAG_NAMES = {"overrides": "set", "branch_dir": "branch", "branch_step": "at"}
 @click.option("--latents", default=None, metavar="LIST",
               help="With --replay: show alpha of these latents, e.g. 1,8,16 (default: each batch's 3 most "
                    "atypical).")
+@click.option("--mask-changes", "mask_changes", is_flag=True,
+              help="Instead: every change of a slot's mask (eq. 5) between two of its logged steps, and each "
+                   "slot's last mask, from the run's TensorBoard: a flip in a settled slot (docs/regime.md).")
 @click.option("--reading", type=click.Choice(PROBE_READINGS), default=None,
               help="The code the probes read: mean, mu(x) of every latent; or sample, the paper's reading, "
                    "the masked posterior under the slot q_psi picks (docs/probes.md). Default: the run's own.")
 @_device_option()
 def evaluate(run_dir, as_json, steps, batches, own_slot, by_latent, readouts, classifier, also, step, replay, count,
-             latents, reading, device):
+             latents, mask_changes, reading, device):
     """Recompute probes and metrics from a run's checkpoints and print them."""
     from vase.evaluation import evaluate_run, own_slot_errors_by_encoder, own_slot_text
     from vase.summary import summary_text
@@ -250,7 +253,7 @@ def evaluate(run_dir, as_json, steps, batches, own_slot, by_latent, readouts, cl
     try:
         given = [name for name, on in (("--atypicality", steps is not None), ("--own-slot", own_slot is not None),
                                        ("--readouts", readouts is not None), ("--classifier", classifier),
-                                       ("--replay", replay is not None)) if on]
+                                       ("--replay", replay is not None), ("--mask-changes", mask_changes)) if on]
         if len(given) > 1:
             raise VaseError(f"{' and '.join(given)} are separate readings: give one at a time")
         count_given = click.get_current_context().get_parameter_source("count") != click.core.ParameterSource.DEFAULT
@@ -265,6 +268,8 @@ def evaluate(run_dir, as_json, steps, batches, own_slot, by_latent, readouts, cl
                             "checkpoint")
         if also is not None and not classifier:
             raise VaseError("--also goes with --classifier: it adds environments to q_psi's reading")
+        if mask_changes:
+            return _mask_changes(Path(run_dir), as_json)
         if readouts is not None:
             return _readouts(Path(run_dir), readouts, as_json, _resolve_device(device))
         if classifier:
@@ -293,6 +298,17 @@ def _integers(option: str, text: str, what: str = "steps", example: str = "11000
     except ValueError:
         raise VaseError(f"{option} {text!r}: give {what} as integers separated by commas, e.g. {example}") \
             from None
+
+
+def _mask_changes(run_dir: Path, as_json: bool) -> None:
+    from dataclasses import asdict
+
+    from vase.mask_changes import mask_changes, mask_changes_text, read_logged_masks
+
+    found = mask_changes(read_logged_masks(run_dir))
+    if as_json:
+        return click.echo(json.dumps(asdict(found), indent=2))
+    click.echo(mask_changes_text(found, load_run_config(run_dir, trains=False).data.sequence))
 
 
 def _slot_picks(run_dir: Path, step: int | None, also: tuple[str, ...], as_json: bool, device) -> None:

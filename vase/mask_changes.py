@@ -1,0 +1,94 @@
+"""Eq. 5's mask changes of each slot over a run, read from its TensorBoard (`vase eval --mask-changes`).
+
+Once a slot has settled, a latent that eq. 5's hysteresis turns on or off in it changes what its
+environment's code may use, and in the long regime such a flip shows up as a spike of eq. 3 a
+few steps long (docs/regime.md, "The extended study so far"). The run's events list allocations
+and switches, not these; the logged steps hold the mask of the slot each logged batch trained, so
+comparing each slot's masks from one logged step to its next finds every change that lasted at
+least one logging interval (`train.log_every`): a shorter one can be missed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from vase.errors import VaseError
+from vase.tensorboard_logger import TB_DIR
+
+SLOT_TAG, ENV_TAG, MASK_PREFIX = "inference/assigned_env", "inference/true_env", "mask/z"
+
+
+@dataclass(frozen=True)
+class MaskChange:
+    slot: int
+    before: int  # the slot's previous logged step
+    after: int  # the logged step whose mask differs
+    true_env: int  # the environment the batch of `after` came from
+    on: tuple[int, ...]  # latents the slot uses from `after` on
+    off: tuple[int, ...]  # latents it no longer uses
+
+
+@dataclass(frozen=True)
+class SlotMasks:
+    changes: list[MaskChange]
+    last: dict[int, tuple[int, tuple[int, ...]]]  # slot -> (its last logged step, the latents on)
+    every: int  # the logging interval
+
+
+def read_logged_masks(run_dir: Path) -> dict[int, tuple[int, int, tuple[int, ...]]]:
+    """Each logged step's (slot trained, true environment, mask of that slot) from TensorBoard."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = Path(run_dir) / TB_DIR
+    if not tb.is_dir():
+        raise VaseError(f"{tb} not found: the mask changes are read from a run's TensorBoard")
+    events = EventAccumulator(str(tb), size_guidance={"scalars": 0})
+    events.Reload()  # a resumed run's events after its checkpoint were purged when it resumed
+    tags = events.Tags()["scalars"]
+    latents = sorted(tag for tag in tags if tag.startswith(MASK_PREFIX))
+    if SLOT_TAG not in tags or not latents:
+        raise VaseError(f"{tb} holds no logged masks yet")
+
+    def series(tag: str) -> dict[int, float]:
+        return {e.step: e.value for e in events.Scalars(tag)}
+
+    slots, envs = series(SLOT_TAG), series(ENV_TAG)
+    masks = [series(tag) for tag in latents]
+    return {step: (int(slot), int(envs[step]), tuple(int(m[step] > 0.5) for m in masks))
+            for step, slot in sorted(slots.items())}
+
+
+def mask_changes(logged: dict[int, tuple[int, int, tuple[int, ...]]]) -> SlotMasks:
+    """Every change of a slot's mask between two of its logged steps, in step order."""
+    steps = sorted(logged)
+    gaps = [b - a for a, b in zip(steps, steps[1:])]
+    last: dict[int, tuple[int, tuple[int, ...]]] = {}
+    changes = []
+    for step in steps:
+        slot, env, mask = logged[step]
+        if slot in last and last[slot][1] != mask:
+            before, old = last[slot]
+            changes.append(MaskChange(slot, before, step, env,
+                                      tuple(z for z, (a, b) in enumerate(zip(old, mask)) if b and not a),
+                                      tuple(z for z, (a, b) in enumerate(zip(old, mask)) if a and not b)))
+        last[slot] = (step, mask)
+    used = {slot: (step, tuple(z for z, m in enumerate(mask) if m)) for slot, (step, mask) in last.items()}
+    return SlotMasks(changes, used, min(gaps) if gaps else 0)
+
+
+def mask_changes_text(found: SlotMasks, sequence: list[str]) -> str:
+    def names(latents: tuple[int, ...]) -> str:
+        return " ".join(f"z{z}" for z in latents)
+
+    lines = [f"eq. 5's mask changes, between two logged steps of a slot (logged every {found.every:,} steps; "
+             "a shorter change can be missed):"]
+    for c in found.changes:
+        turned = "; ".join(part for part in (f"on {names(c.on)}" if c.on else "",
+                                             f"off {names(c.off)}" if c.off else "") if part)
+        lines.append(f"  slot {c.slot} ({sequence[c.true_env]}'s batch)  {c.before:>9,} -> {c.after:<9,} {turned}")
+    if not found.changes:
+        lines.append("  none")
+    lines.append("each slot's mask at its last logged step, the latents on:")
+    for slot, (step, used) in sorted(found.last.items()):
+        lines.append(f"  slot {slot} at {step:,}: {names(used) or 'none'}")
+    return "\n".join(lines)
