@@ -111,6 +111,40 @@ def test_a_branch_not_yet_trained_says_it_has_come_as_far_as_its_step(straight, 
     assert json.loads((target / "progress.json").read_text())["total"] == 3 * STAGE
 
 
+@pytest.mark.parametrize("links", [True, False])
+def test_a_branch_shares_the_files_its_source_wrote_once_and_neither_changes_the_others(
+        straight, tmp_path, monkeypatch, links):
+    """The kept checkpoints and the probe points' encoders before the step are hard links where the
+    filesystem has them (else copies): a rewrite in the source renames a new file over the name, and
+    the branch's keeps the old bytes."""
+    import os
+
+    import vase.branching
+    from vase.branching import plan_branch, write_branch
+    from vase.checkpoint import kept_path, write_atomic
+    from vase.evaluation import encoder_path
+
+    if not links:
+        def no_links(*args):
+            raise OSError("hard links not supported")
+        monkeypatch.setattr(vase.branching.os, "link", no_links)
+    target = tmp_path / "b"
+    write_branch(plan_branch(straight, 2 * STAGE, []), target)
+    shared = [(kept_path(straight, STAGE), kept_path(target, STAGE)),
+              (encoder_path(straight, STAGE), encoder_path(target, STAGE))]
+    for source_file, branch_file in shared:
+        assert branch_file.read_bytes() == source_file.read_bytes()
+        assert os.path.samefile(source_file, branch_file) == links
+    assert checkpoint.kept_steps(target) == [STAGE, 2 * STAGE]
+    source_file, branch_file = shared[0]
+    before = branch_file.read_bytes()
+    try:
+        write_atomic(source_file, b"rewritten")
+        assert branch_file.read_bytes() == before
+    finally:
+        write_atomic(source_file, before)
+
+
 def test_a_branch_may_change_the_length_of_the_stages_after_its_step(straight, tmp_path):
     result = branch(straight, tmp_path / "b", "--at", str(STAGE), "--steps", f"{STAGE},{STAGE},4")
     assert result.exit_code == 0, result.output

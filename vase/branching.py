@@ -17,6 +17,7 @@ masks, dreams, objective, and the length of the stages after N) may differ.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,23 +119,33 @@ def check_trained_as_one_slot(before: Config, state: dict, step: int) -> None:
                         "which a run without S trains on; branch from a run that held none")
 
 
+def link_or_copy(path: Path, dst: Path) -> None:
+    """A second name for a file the source wrote once, or a copy where the filesystem has no hard links.
+    A run never writes into such a file: every write renames a new one over the name
+    (`write_atomic`), so the source and the branch cannot change each other's."""
+    try:
+        os.link(path, dst)
+    except OSError:
+        shutil.copy2(path, dst)
+
+
 def write_branch(branch: Branch, target: Path) -> None:
     """Into the new run directory `target`: the source's checkpoint of the branch's step, and what
     the run's outputs rest on up to it: TensorBoard (cut at the step when the branch starts to
-    train), the probe points' encoders and slots, the checkpoints kept for good, the progress file;
-    then branch.json."""
+    train), the probe points' encoders and slots, the checkpoints kept for good (hard links where the
+    filesystem has them: with train.keep_every a run keeps GiBs), the progress file; then branch.json."""
     source, step = branch.source, branch.step
     src, dst = checkpoint_dir(source), checkpoint_dir(target)
     for folder in (ENCODER_DIR, SLOTS_DIR):
         for path in sorted((src / folder).glob("step-*.pt")):
             if int(path.stem.split("-")[1]) <= step:
                 (dst / folder).mkdir(parents=True, exist_ok=True)
-                shutil.copy2(path, dst / folder / path.name)
+                link_or_copy(path, dst / folder / path.name)
     for kept in kept_steps(source):
         if kept < step:
             (dst / STAGES_DIR).mkdir(parents=True, exist_ok=True)
             for path in (kept_path(source, kept), kept_path(source, kept).with_suffix(".json")):
-                shutil.copy2(path, dst / STAGES_DIR / path.name)
+                link_or_copy(path, dst / STAGES_DIR / path.name)
     if (source / TB_DIR).is_dir():
         shutil.copytree(source / TB_DIR, target / TB_DIR)
     save_checkpoint(target, branch.state, {"step": step, "ablation": branch.cfg.ablation()},
