@@ -495,7 +495,7 @@ def inspect(run_dir, pictures, step, used_only, image, source, envs, data_root, 
               help="Train each seed's SDA cell to its first stage's end, then branch the other rows from there "
                    "with their switches: before the first allocation they train alike (docs/usage.md). D and DA, "
                    "which dream from the start, and a cell whose source allocated or held batches pending by "
-                   "then train from step 0.")
+                   "then train from step 0; cells that wait on no first stage start beside them.")
 def grid(rows, modes, seeds, preset, sequence, steps, overrides, root, threads, workers, use_ray, ray_address,
          data_root, download, dry_run, no_progress, device, schedule, gpus, runs_per_gpu, share_first_stage):
     """Run the ablation grid (rows x modes x seeds of `vase train`) and print Table 1.

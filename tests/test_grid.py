@@ -209,12 +209,27 @@ def test_local_backend_reports_each_run_and_keeps_going_after_a_failure(tmp_path
     jobs = [Job(f"j{i}", ["train", str(code)], str(tmp_path / f"r{i}"), str(tmp_path / "logs" / f"j{i}.log"))
             for i, code in enumerate([0, 3, 0])]
     seen = {}
-    LocalBackend(2, command=STAND_IN).run(jobs, lambda job, outcome: seen.setdefault(job.name, outcome))
+    LocalBackend(2, command=STAND_IN).run(jobs, lambda job, outcome: seen.update({job.name: outcome}))
     assert set(seen) == {"j0", "j1", "j2"}
     assert [seen[n].ok for n in ("j0", "j1", "j2")] == [True, False, True]
     assert seen["j1"].returncode == 3 and "child train 3" in seen["j1"].log_tail
     assert (tmp_path / "logs" / "j1.log").read_text().startswith("$ vase train 3")
     assert seen["j0"].files is None  # same machine: nothing to send back
+
+
+def test_local_backend_runs_the_jobs_that_a_finished_job_brings(tmp_path):
+    def job(name: str, code: int) -> Job:
+        return Job(name, ["train", str(code)], str(tmp_path / name), str(tmp_path / "logs" / f"{name}.log"))
+
+    seen = []
+
+    def on_done(done, outcome):
+        seen.append((done.name, outcome.ok))
+        return {"first": [job("second", 0), job("third", 4)]}.get(done.name)
+
+    LocalBackend(2, command=STAND_IN).run([job("first", 0), job("other", 0)], on_done)
+    assert sorted(seen) == [("first", True), ("other", True), ("second", True), ("third", False)]
+    assert seen.index(("first", True)) < min(seen.index(("second", True)), seen.index(("third", False)))
 
 
 def test_a_run_on_another_machine_travels_back_to_the_driver(tmp_path):
@@ -452,8 +467,8 @@ def test_a_grid_on_ray_gives_the_same_runs(tmp_path, sprite_data):
 
 @pytest.mark.slow
 def test_a_grid_on_ray_shares_the_first_stage_as_this_machine_does(tmp_path, sprite_data):
-    """The first stages and the rest run as two rounds of Ray tasks; the branch is written on the
-    driver between them and travels to its node with its checkpoint."""
+    """The first stage runs as a Ray task; as it ends, the branch is written on the driver and
+    travels to its node with its checkpoint."""
     pytest.importorskip("ray")
     root = tmp_path / "grid"
     result = invoke(grid_cli_args(root, sprite_data, rows="SDA,-") + ["--ray", "--share-first-stage"])
@@ -616,6 +631,55 @@ def test_dry_run_shows_which_cells_branch_and_where_sda_pauses(tmp_path):
     # D without S dreams from the first snapshot on: it trains from step 0
     assert lines[3].startswith("new    D-entangled-s0: vase train --preset cpu --ablation=D ")
     assert not (tmp_path / "g").exists()
+
+
+class FirstStageOrder:
+    """Stands in for the backend and for the branch: records which jobs the grid hands over at its
+    start and which each finished job brings, and ends every job at once (those with --until paused)."""
+
+    def __init__(self, fail: set[str] = frozenset()):
+        self.fail, self.handed, self.brought, self.branched = fail, [], {}, []
+
+    def start_branch(self, spec, run):
+        self.branched.append(run.name)
+
+    def run(self, jobs, on_done):
+        def name(job):
+            return job.name + (" until " + job.arguments[job.arguments.index("--until") + 1]
+                               if "--until" in job.arguments else "")
+
+        self.handed = [name(job) for job in jobs]
+        queue = list(jobs)
+        while queue:
+            job = queue.pop(0)
+            follow = on_done(job, Outcome(int(name(job) in self.fail), 0.1, "here")) or []
+            if follow:
+                self.brought[name(job)] = [name(f) for f in follow]
+            queue += follow
+
+
+@pytest.mark.parametrize("fail", ["", f"SDA-disentangled-s0 until {STEPS}", "SDA-disentangled-s0"])
+def test_rows_that_need_no_first_stage_start_with_it_and_branched_rows_follow_its_pause(
+        tmp_path, sprite_data, monkeypatch, fail):
+    """D trains from step 0 (its first stage is not SDA's), so it starts beside SDA's first stage;
+    "-" is branched when that stage ends, and is not started if it fails."""
+    spec = replace(tiny_spec(tmp_path / "grid", sprite_data, rows=("SDA", "-", "D")), share_first_stage=True)
+    backend = FirstStageOrder({fail})
+    monkeypatch.setattr(grid_module, "start_branch", backend.start_branch)
+    report = run_grid(spec, backend, echo=lambda s: None, progress=False)
+    first_stage = f"SDA-disentangled-s0 until {STEPS}"
+    assert backend.handed == [first_stage, "D-disentangled-s0"]
+    if fail == first_stage:
+        assert backend.brought == {} and backend.branched == [] and report.finished == ["D-disentangled-s0"]
+        assert dict(report.failed)["none-disentangled-s0"].startswith("not started: SDA-disentangled-s0")
+        return
+    assert backend.brought == {first_stage: ["none-disentangled-s0", "SDA-disentangled-s0"]}
+    assert backend.branched == ["none-disentangled-s0"]
+    if fail:  # SDA failed after its pause: its branched row had started and ended on its own
+        assert sorted(report.finished) == ["D-disentangled-s0", "none-disentangled-s0"]
+        assert [name for name, _ in report.failed] == ["SDA-disentangled-s0"]
+    else:
+        assert sorted(report.finished) == ["D-disentangled-s0", "SDA-disentangled-s0", "none-disentangled-s0"]
 
 
 @pytest.mark.slow

@@ -375,8 +375,10 @@ class GridReport:
 def run_grid(spec: GridSpec, backend, echo=print, progress: bool = True) -> GridReport:
     """Train every run of the grid that is not finished yet, then write and return Table 1.
 
-    With --share-first-stage, first the SDA cells whose rows branch from them train to their first
-    stage's end (and pause there), then those rows are branched, then every cell trains to its end."""
+    With --share-first-stage, an SDA cell whose rows branch from it first trains to its first
+    stage's end and pauses there; as it does, those rows are branched and they and the cell go on
+    to their ends. Every other run starts at once, so no worker waits on a first stage that is not
+    its run's."""
     planned = plan(spec)
     counts = {s: sum(1 for _, st in planned if st == s) for s in (NEW, RESUME, DONE, BRANCH)}
     echo(
@@ -384,40 +386,52 @@ def run_grid(spec: GridSpec, backend, echo=print, progress: bool = True) -> Grid
         f"{counts[DONE]} finished, {counts[RESUME]} to resume, {counts[NEW]} to start"
         + (f", {counts[BRANCH]} to branch from {SHARED_ROW}'s first stage" if counts[BRANCH] else "")
     )
-    finished: list[str] = []
-    failed: list[tuple[str, str]] = []
     if any(status != DONE for _, status in planned):
         prepare_data(spec, progress=progress)
+    status_of = {run.name: status for run, status in planned}
     branching = [run for run, status in planned if status == BRANCH]
-    if branching:
-        status_of = {run.name: status for run, status in planned}
-        sources = sorted({first_stage_source(run) for run in branching}, key=lambda r: r.name)
-        ends = {src.name: first_stage_end(spec, src) for src in sources}
-        first = [(src, status_of[src.name], ends[src.name]) for src in sources
-                 if status_of[src.name] != DONE and ends[src.name] not in kept_steps(src.run_dir)]
-        _, lost = _train(spec, backend, first, echo, progress, "first stages")
-        failed += lost
-        lost_sources = {name for name, _ in lost}
-        for run in branching:
-            source = first_stage_source(run)
-            if source.name in lost_sources:
-                failed.append((run.name, f"not started: {source.name}, whose first stage it branches from, failed"))
-                continue
+    # the SDA cells to train to their first stage's end before their rows can branch
+    waiting: dict[str, tuple[GridRun, list[GridRun]]] = {}
+    for run in branching:
+        source = first_stage_source(run)
+        if status_of[source.name] != DONE and first_stage_end(spec, source) not in kept_steps(source.run_dir):
+            waiting.setdefault(source.name, (source, []))[1].append(run)
+    lines: list[str] = []
+
+    def branched(runs: list[GridRun]) -> list[GridRun]:
+        for run in runs:
             why = start_branch(spec, run)
-            echo(f"branch {run.name} from {source.name} at step {first_stage_end(spec, run):,}" if why is None
-                 else f"note   {run.name} trains from step 0: {why}")
-    blocked = {name for name, _ in failed}
-    todo = [(run, run_status(spec, run), None) for run, _ in planned if run.name not in blocked]
-    done, lost = _train(spec, backend, [item for item in todo if item[1] != DONE], echo, progress, None)
-    finished += done
-    failed += lost
+            lines.append(f"branch {run.name} from {first_stage_source(run).name} at step {first_stage_end(spec, run):,}"
+                         if why is None else f"note   {run.name} trains from step 0: {why}")
+        return runs
+
+    later = {run.name for _, rows in waiting.values() for run in rows} | set(waiting)
+    now = [(source, first_stage_end(spec, source)) for source, _ in waiting.values()]
+    now += [(run, None) for run in branched([r for r in branching if r.name not in later])]
+    now += [(run, None) for run, status in planned if status in (NEW, RESUME) and run.name not in later]
+
+    paused: set[str] = set()
+
+    def then(source: GridRun) -> list[GridRun]:
+        """What follows the first stage of `source`: its rows, branched, and the cell itself."""
+        paused.add(source.name)
+        return branched(waiting[source.name][1]) + [source]
+
+    finished, failed = _train(spec, backend, now, then, echo, progress, lines,
+                              [run for run, status in planned if status != DONE])
+    for name, _ in list(failed):
+        if name in waiting and name not in paused:  # its first stage failed, so its rows never started
+            failed += [(run.name, f"not started: {name}, whose first stage it branches from, failed")
+                       for run in waiting[name][1]]
     return GridReport(planned, finished, failed, write_table(spec, [run for run, _ in planned]))
 
 
-def _train(spec: GridSpec, backend, todo: list[tuple[GridRun, str, int | None]], echo, progress: bool,
-           stage: str | None) -> tuple[list[str], list[tuple[str, str]]]:
-    """Run `vase train` for each (run, status, until) on the backend; the names that ended well, and
-    (name, why) for those that failed. `until`: stop there (the first stage's end) instead of the end."""
+def _train(spec: GridSpec, backend, now: list[tuple[GridRun, int | None]], then, echo, progress: bool,
+           lines: list[str], runs: list[GridRun]) -> tuple[list[str], list[tuple[str, str]]]:
+    """Run `vase train` for each (run, until) on the backend, `until` being the step to pause at (a
+    first stage's end) or None for the run's end; when a run pauses, `then(run)` gives the runs that
+    follow it, and they join the queue. `lines` collects what to print. Returns the names of the
+    runs that ended well, and (name, why) for those that failed."""
     from tqdm.auto import tqdm
 
     from vase.grid_backends import Job
@@ -425,39 +439,57 @@ def _train(spec: GridSpec, backend, todo: list[tuple[GridRun, str, int | None]],
 
     finished: list[str] = []
     failed: list[tuple[str, str]] = []
-    if not todo:
+    if not now:
         return finished, failed
-    jobs = [Job(run.name, train_arguments(spec, run, status) + ([] if until is None else ["--until", str(until)]),
-                str(run.run_dir), str(run.log)) for run, status, until in todo]
+    pausing: dict[str, int] = {}
+
+    def job(run: GridRun, until: int | None) -> Job:
+        if until is not None:
+            pausing[run.name] = until
+        status = run_status(spec, run)
+        return Job(run.name, train_arguments(spec, run, status) + ([] if until is None else ["--until", str(until)]),
+                   str(run.run_dir), str(run.log))
+
+    jobs = [job(run, until) for run, until in now]
     # The bar counts the runs' steps, read from their progress files, so that a grid of a few
     # long runs moves as they train instead of at their ends.
-    steps = GridSteps({run.name: (run.run_dir, until or spec.config(run).data.total_steps())
-                       for run, _, until in todo})
-    desc = "vase grid" + (f" ({stage})" if stage else "")
-    bar = tqdm(total=steps.total, initial=steps.done(), desc=desc, unit="step", disable=not progress)
-    bar.set_postfix(runs=f"0/{len(jobs)} done")
+    steps = GridSteps({run.name: (run.run_dir, spec.config(run).data.total_steps()) for run in runs})
+    bar = tqdm(total=steps.total, initial=steps.done(), desc="vase grid", unit="step", disable=not progress)
+    bar.set_postfix(runs=f"0/{len(runs)} done")
     lock = threading.Lock()
 
     def refresh() -> None:
         with lock:
             bar.update(steps.done() - bar.n)
 
-    def on_done(job, outcome) -> None:
-        minutes, seconds = divmod(int(outcome.seconds), 60)
-        if outcome.ok:
-            finished.append(job.name)
-            steps.end(job.name)
-            what = "paused" if stage else "done  "
-            line = f"{what} {job.name} in {minutes}m{seconds:02d}s on {outcome.host}"
-        else:
-            why = outcome.error or f"exit code {outcome.returncode}; log {job.log}"
-            failed.append((job.name, why + ("\n" + outcome.log_tail if outcome.log_tail else "")))
-            line = f"FAILED {job.name}: {why}"
+    def say(line: str) -> None:
         with lock:
             bar.write(line) if progress else echo(line)
-            bar.set_postfix(runs=f"{len(finished) + len(failed)}/{len(jobs)} done")
-        refresh()
 
+    def on_done(done: Job, outcome) -> list[Job]:
+        minutes, seconds = divmod(int(outcome.seconds), 60)
+        follow: list[Job] = []
+        if outcome.ok and done.name in pausing:
+            say(f"paused {done.name} at step {pausing.pop(done.name):,} in {minutes}m{seconds:02d}s on {outcome.host}")
+            runs_by_name = {run.name: run for run in runs}
+            follow = [job(run, None) for run in then(runs_by_name[done.name])]
+        elif outcome.ok:
+            finished.append(done.name)
+            steps.end(done.name)
+            say(f"done   {done.name} in {minutes}m{seconds:02d}s on {outcome.host}")
+        else:
+            why = outcome.error or f"exit code {outcome.returncode}; log {done.log}"
+            failed.append((done.name, why + ("\n" + outcome.log_tail if outcome.log_tail else "")))
+            say(f"FAILED {done.name}: {why}")
+        while lines:
+            say(lines.pop(0))
+        with lock:
+            bar.set_postfix(runs=f"{len(finished) + len(failed)}/{len(runs)} done")
+        refresh()
+        return follow
+
+    while lines:
+        say(lines.pop(0))
     stop = threading.Event()
     watcher = threading.Thread(target=_watch, args=(refresh, stop), daemon=True) if progress else None
     if watcher:

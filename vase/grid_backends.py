@@ -61,7 +61,9 @@ class Outcome:
         return self.returncode == 0 and not self.error
 
 
-OnDone = Callable[[Job, Outcome], None]
+# Called on the driver as each job ends; it may return jobs that follow it (a row branched from a
+# first stage that just ended), which the backend then runs as well.
+OnDone = Callable[[Job, Outcome], "list[Job] | None"]
 
 
 # -- moving a run directory between machines ---------------------------------------------------------
@@ -213,7 +215,10 @@ class LocalBackend:
                         outcome = fut.result()
                     except Exception as e:  # the run could not even start (e.g. its log is unwritable)
                         outcome = Outcome(-1, 0.0, host, error=f"{type(e).__name__}: {e}")
-                    on_done(job, outcome)
+                    for follow in on_done(job, outcome) or []:
+                        queued = pool.submit(self._execute, follow, host)
+                        futures[queued] = follow
+                        pending.add(queued)
         except KeyboardInterrupt:
             for fut in futures:
                 fut.cancel()
@@ -257,10 +262,14 @@ class RayBackend:
         host = socket.gethostname()
         task = ray.remote(num_cpus=self.threads, num_gpus=self.gpus_per_run, max_retries=0)(execute)
         refs = {}
-        for job in jobs:
+
+        def submit(job: Job) -> None:
             if (Path(job.run_dir) / "config.json").is_file():  # a resume: its checkpoints go along, in case
                 job.files = pack_dir(job.run_dir)                # Ray places it elsewhere (see `execute`)
             refs[task.remote(job, host)] = job
+
+        for job in jobs:
+            submit(job)
         try:
             while refs:
                 done, _ = ray.wait(list(refs), num_returns=1)
@@ -270,7 +279,8 @@ class RayBackend:
                 except Exception as e:  # a node or worker died: the run failed, the grid goes on
                     outcome = Outcome(-1, 0.0, "?", error=f"{type(e).__name__}: {e}")
                 receive(job, outcome)
-                on_done(job, outcome)
+                for follow in on_done(job, outcome) or []:
+                    submit(follow)
         except KeyboardInterrupt:
             for ref in refs:
                 ray.cancel(ref)  # a KeyboardInterrupt in the task, which stops its run (see `execute`)
