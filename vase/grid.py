@@ -442,6 +442,7 @@ def _train(spec: GridSpec, backend, now: list[tuple[GridRun, int | None]], then,
     if not now:
         return finished, failed
     pausing: dict[str, int] = {}
+    runs_by_name = {run.name: run for run in runs}
 
     def job(run: GridRun, until: int | None) -> Job:
         if until is not None:
@@ -466,12 +467,15 @@ def _train(spec: GridSpec, backend, now: list[tuple[GridRun, int | None]], then,
         with lock:
             bar.write(line) if progress else echo(line)
 
+    def flush() -> None:
+        while lines:
+            say(lines.pop(0))
+
     def on_done(done: Job, outcome) -> list[Job]:
         minutes, seconds = divmod(int(outcome.seconds), 60)
         follow: list[Job] = []
         if outcome.ok and done.name in pausing:
             say(f"paused {done.name} at step {pausing.pop(done.name):,} in {minutes}m{seconds:02d}s on {outcome.host}")
-            runs_by_name = {run.name: run for run in runs}
             follow = [job(run, None) for run in then(runs_by_name[done.name])]
         elif outcome.ok:
             finished.append(done.name)
@@ -481,15 +485,13 @@ def _train(spec: GridSpec, backend, now: list[tuple[GridRun, int | None]], then,
             why = outcome.error or f"exit code {outcome.returncode}; log {done.log}"
             failed.append((done.name, why + ("\n" + outcome.log_tail if outcome.log_tail else "")))
             say(f"FAILED {done.name}: {why}")
-        while lines:
-            say(lines.pop(0))
+        flush()
         with lock:
             bar.set_postfix(runs=f"{len(finished) + len(failed)}/{len(runs)} done")
         refresh()
         return follow
 
-    while lines:
-        say(lines.pop(0))
+    flush()
     stop = threading.Event()
     watcher = threading.Thread(target=_watch, args=(refresh, stop), daemon=True) if progress else None
     if watcher:
