@@ -13,7 +13,7 @@ from vase.bench import run_bench
 from vase.bench_flops import ModelCosts, PassRecorder, layer_costs, pass_flops
 from vase.bench_reference import reference_from
 from vase.bench_steps import prepare_environments
-from vase.bench_variants import Spec
+from vase.bench_variants import BF16, Spec
 from vase.config import build_config
 from vase.conv_paths import use_implementation
 from vase.learner import Learner
@@ -154,6 +154,8 @@ def test_run_bench_writes_the_json(tmp_path, monkeypatch):
         Spec(f"{p}/loop", "loop", p, kind="loop", ablation="SDA", n_envs=3, overrides=tiny),
         Spec(f"{p}/before_plain", "before", p, implementation="channels_last", process="plain", overrides=tiny),
         Spec(f"{p}/reference", "reference", p, kind="reference", overrides=tiny),
+        Spec(f"{p}/vase_bf16", "vase bf16", p, ablation="SDA", n_envs=3, overrides=tiny + (BF16,),
+             implementation="nchw"),
     ]}
     printed = []
     out = tmp_path / "bench.json"
@@ -164,7 +166,7 @@ def test_run_bench_writes_the_json(tmp_path, monkeypatch):
         assert key in data["machine"]
     assert data["peaks"]["matmul"]["peak_flops"] > 0 and data["peaks"]["conv"]["peak_flops"] > 0
     variants = data["presets"][p]["variants"]
-    assert set(variants) == {"plain", "vase", "loop", "before_plain", "reference"}
+    assert set(variants) == {"plain", "vase", "loop", "before_plain", "reference", "vase_bf16"}
     for v in variants.values():
         for key in ("median_step_s", "median_cpu_s", "images_per_s", "flops_per_step", "flops_per_s",
                     "fraction_of_matmul_peak", "fraction_of_conv_peak"):
@@ -177,6 +179,9 @@ def test_run_bench_writes_the_json(tmp_path, monkeypatch):
                 "speedup_vs_reference", "speedup_plain_vs_before", "outside_model_fraction"):
         assert key in ratios
     assert 1.5 < ratios["vase_over_plain_flops"] < 1.8  # dreams: 1.5x the trained passes + snapshot passes
+    assert ratios["speedup_vase_from_bf16"] > 0
+    # bf16 rounds: the loss moves, but by far less than training does (docs/benchmarks.md).
+    assert 0 < data["presets"][p]["bf16_loss_difference"] < 0.01
     assert {t["target"] for t in data["targets"]} >= {"cpu plain step, speed-up vs NCHW reference"}
     assert "memory" not in data
     assert "preset cpu" in data["report"] and str(out) in printed[-1]

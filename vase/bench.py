@@ -9,7 +9,8 @@ One run measures, for each preset:
    and a dense conv microbenchmark;
 3. the share of a trainer-like loop iteration spent outside the networks (data gather, inference
    bookkeeping, logging conversions);
-4. the VASE step with 1 versus 8 past environments;
+4. the VASE step with 1 versus 8 past environments, and both steps in bf16 autocast with the loss
+   it gives against float32;
 5. the peak resident memory of a default training run (a subprocess), and what the data occupies;
 
 plus, side by side, the code before the speed work (the "channels_last" layer implementation with
@@ -37,11 +38,12 @@ import torch
 
 from vase import conv_paths, kernels
 from vase.bench_child import PlainProcess, RemoteVariant
+from vase.bench_device import agreement
 from vase.bench_flops import Peaks
 from vase.bench_memory import measure_memory
 from vase.bench_report import LOAD_NOTE, TARGETS, check_targets, format_report, summarise_preset
 from vase.bench_steps import Variant
-from vase.bench_variants import Spec, default_specs
+from vase.bench_variants import BF16, Spec, default_specs
 from vase.device import cpu_model, cpuinfo_field, read_cpuinfo
 from vase.errors import ConfigError
 
@@ -129,6 +131,11 @@ def run_bench(presets: list[str], steps: int = 20, json_out: str | None = None, 
         chosen = (specs or {}).get(preset) or default_specs(preset)
         measured = measure(chosen, steps, threads, peaks, log)
         results["presets"][preset] = summarise_preset(preset, measured, peaks)
+        bf16 = [s for s in chosen if s.ablation == "SDA" and BF16 in s.overrides]
+        if bf16:
+            # What bf16 does to the numbers, beside what it does to the time (docs/benchmarks.md).
+            base = tuple(o for o in bf16[0].overrides if o != BF16)
+            results["presets"][preset]["bf16_loss_difference"] = agreement(preset, torch.device("cpu"), (BF16,), base)
     results["peaks"] = peaks.summary()
     # FLOP fractions use the final peak (max over every sample of the run).
     for res in results["presets"].values():

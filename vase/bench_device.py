@@ -104,11 +104,11 @@ def time_variants(variants: dict[str, Callable[[], object]], device: torch.devic
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def agreement(preset: str, device: torch.device, overrides: tuple[str, ...]) -> float:
+def agreement(preset: str, device: torch.device, overrides: tuple[str, ...], base: tuple[str, ...] = ()) -> float:
     """Relative difference of the total loss after AGREEMENT_STEPS SDA steps with `overrides` against
-    fp32 eager, from the same weights and batches."""
+    fp32 eager, from the same weights and batches (both with the settings `base`)."""
     losses = []
-    for extra in (EAGER, overrides):
+    for extra in (EAGER + base, base + overrides):
         step = _stepper(_learner(preset, "SDA", device, extra), device)
         for _ in range(AGREEMENT_STEPS):
             out = step()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 
 from vase import conv_paths, kernels
+from vase.bench_device import AGREEMENT_STEPS
 from vase.bench_flops import ModelCosts, Peaks
 from vase.bench_variants import Spec
 from vase.config import build_config
@@ -48,6 +49,8 @@ TIME_RATIOS = [
     ("speedup_from_layers", "plain_cl", "plain"),
     ("speedup_from_swapped_wgrad_and_fused_adam", "plain_nchw_wgrad", "plain_onednn_wgrad"),
     ("speedup_from_native_wgrad", "plain_onednn_wgrad", "plain"),
+    ("speedup_plain_from_bf16", "plain", "plain_bf16"),
+    ("speedup_vase_from_bf16", "vase", "vase_bf16"),
 ]
 
 
@@ -197,11 +200,16 @@ def format_report(results: dict) -> str:
                           ("speedup_from_layers", "  of which the layer implementation"),
                           ("speedup_from_swapped_wgrad_and_fused_adam",
                            "  of which swapped-conv deconv weight gradients and fused Adam"),
-                          ("speedup_from_native_wgrad", "  of which our weight-gradient kernel (vase.kernels)")):
+                          ("speedup_from_native_wgrad", "  of which our weight-gradient kernel (vase.kernels)"),
+                          ("speedup_plain_from_bf16", "plain step in bf16 autocast (train.precision)"),
+                          ("speedup_vase_from_bf16", "VASE step in bf16 autocast")):
             if key == "speedup_from_native_wgrad" and key in r and res.get("weight_gradients", "native") != "native":
                 lines.append(f"  {text}: not used on this preset, {res['weight_gradients']} (x{r[key]:.2f}: the noise)")
             elif key in r:
                 lines.append(f"  {text}: x{r[key]:.2f}")
+        if "bf16_loss_difference" in res:
+            lines.append(f"  bf16: the total loss after {AGREEMENT_STEPS} SDA steps differs from float32 by "
+                         f"{100 * res['bf16_loss_difference']:.3f}%")
         odd = {n: v["verdicts"] for n, v in res["variants"].items()
                if v["n_envs"] and set(v["verdicts"]) - {"same"}}
         if odd:

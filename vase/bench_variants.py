@@ -26,6 +26,8 @@ class Spec:
 
 # oneDNN's weight gradients: the route our kernel (vase/kernels) replaces, for before/after figures.
 ONEDNN_WGRAD = "model.weight_grad_kernel=onednn"
+# bf16 autocast (train.precision): the layers it runs are the plain NCHW ones, as in the Learner.
+BF16 = "train.precision=bf16"
 
 
 def default_specs(preset: str) -> list[Spec]:
@@ -39,6 +41,9 @@ def default_specs(preset: str) -> list[Spec]:
         Spec(
             f"{p}/vase_8past", "SDA, 8 past envs (k_max 10)", p, ablation="SDA", overrides=("model.k_max=10",), n_envs=9
         ),
+        Spec(f"{p}/plain_bf16", 'plain "-", bf16 autocast', p, overrides=(BF16,), implementation="nchw"),
+        Spec(f"{p}/vase_bf16", "SDA 2 past, bf16 autocast", p, ablation="SDA", overrides=(BF16,),
+             implementation="nchw", n_envs=3),
         Spec(f"{p}/loop", "trainer-like loop, SDA 2 past", p, kind="loop", ablation="SDA", n_envs=3),
         Spec(f"{p}/plain_1thread", 'plain step "-", 1 thread', p, threads=1),
         Spec(f"{p}/plain_onednn_wgrad", 'plain "-", oneDNN weight gradients', p, overrides=(ONEDNN_WGRAD,)),

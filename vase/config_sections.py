@@ -190,7 +190,8 @@ class TrainConfig:
     seed: int = 0
     threads: int = 0  # torch threads; 0 = library default
     # Arithmetic of the forward passes: "fp32", or "bf16" autocast (losses stay float32). Measured
-    # by `vase bench --device`; fp32 is the default everywhere (docs/devices.md).
+    # by `vase bench` (CPU) and `vase bench --device`: x1.4 on a CPU with AMX, slower on the H200;
+    # fp32 is the default everywhere, so a run's numbers do not depend on its CPU (docs/benchmarks.md).
     precision: str = "fp32"
     # torch.compile the encoder's and decoder's forward passes (measured by `vase bench --device`).
     compile: bool = False
