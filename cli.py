@@ -597,16 +597,27 @@ def data_list():
               help="With a CUDA --device: runs training at once on the GPU for the sharing figure (1: skip).")
 @click.option("--compile/--no-compile", "compile_", default=True, show_default=True,
               help="With an accelerator --device: also time train.compile (compiling takes a minute or two).")
-def bench(presets, steps, json_out, skip_memory, memory_steps, threads, device, share, compile_):
+@click.option("--run", "run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="Instead: time this run's own training step from its newest checkpoint, with the CPU's "
+                   "denormals kept and flushed to zero (train.flush_denormals), interleaved.")
+def bench(presets, steps, json_out, skip_memory, memory_steps, threads, device, share, compile_, run_dir):
     """Measure step throughput, FLOP/s against this machine's peak, overhead and memory.
 
     Every variant (plain and VASE steps, 1 vs 8 past environments, the code before the speed work,
     a straightforward NCHW reference) is timed interleaved in one run, so ratios hold even when the
-    machine is busy; absolute numbers do not. Prints a table and writes the JSON. See
-    docs/benchmarks.md.
+    machine is busy; absolute numbers do not. Prints a table and writes the JSON. With --run, a
+    trained run's own step instead. See docs/benchmarks.md.
     """
     from vase.bench import run_bench
 
+    if run_dir is not None:
+        from vase.bench_run import bench_run
+
+        try:
+            bench_run(run_dir, steps, threads, json_out, echo=click.echo)
+        except VaseError as e:
+            _fail(e)
+        return
     dev = _resolve_device(device)
     if dev.type != "cpu":
         from vase.bench_device import run_device_bench

@@ -186,7 +186,12 @@ def run_device_bench(device: torch.device, presets: list[str], block: int, json_
              f"(x{report['sharing']['total_vs_alone']} of one alone; each run at {100 * efficiency:.0f} % of alone; "
              f"MPS {'on' if report['sharing']['mps'] else 'off'})")
     if json_out:
-        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_out).write_text(json.dumps(report, indent=2))
+        write_json(json_out, report)
         echo(f"\nwritten to {json_out}")
     return report
+
+
+def write_json(path: str, data: dict) -> None:
+    """A benchmark's results as JSON at `path`, its folder made if need be."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(data, indent=2))

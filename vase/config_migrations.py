@@ -81,6 +81,7 @@ MIGRATIONS: dict[str, Migration] = {
     "dream.sync_at_allocation": added(True),  # the snapshot was re-synced at every allocation
     "dream.encoder_weight": added(EQ8_DREAM_WEIGHTS[0]),
     "train.keep_every": added(0),  # the stage ends' checkpoints were the only ones kept
+    "train.flush_denormals": added(False),  # denormals were computed as they are
     # Rules pruned for want of a failure they fix (docs/method.md, rules beyond eq. 6).
     "objective.aggregate_weight": removed("objective.aggregate_weight", 0.0),
     "inference.probation_relies_on_past_usage": removed("inference.probation_relies_on_past_usage", False),

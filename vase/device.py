@@ -61,6 +61,12 @@ def resolve_device(name: str | torch.device | None = "auto") -> torch.device:
     raise DeviceError(f"unsupported device {name!r}; use {DEVICE_CHOICES}")
 
 
+def configure_denormals(flush: bool) -> None:
+    """train.flush_denormals: the CPU's float arithmetic flushes denormals to zero, or keeps them.
+    Process-wide: the run's training, probes and evaluation all compute alike."""
+    torch.set_flush_denormal(flush)
+
+
 def configure_determinism(device: torch.device, deterministic: bool) -> None:
     """train.deterministic: deterministic kernels on accelerators (the CPU path is deterministic as is).
 

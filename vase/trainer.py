@@ -23,7 +23,7 @@ from vase.callbacks import Callback, StepEnd
 from vase.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint, write_atomic
 from vase.config import Config
 from vase.data.environments import load_sequence
-from vase.device import configure_determinism
+from vase.device import configure_denormals, configure_determinism
 from vase.errors import CheckpointError, NumericalError, VaseError
 from vase.evaluation import FrozenEncoder
 from vase.evaluator import Evaluator
@@ -152,6 +152,7 @@ class Trainer:
         if cfg.train.threads > 0:
             torch.set_num_threads(cfg.train.threads)
         configure_determinism(self.device, cfg.train.deterministic)
+        configure_denormals(cfg.train.flush_denormals)
         # The images live on the device as uint8; batches are drawn and converted there.
         self.envs = [env.to(self.device) for env in load_sequence(cfg.data, "train", progress=self.progress)]
         test_envs = [env.to(self.device) for env in load_sequence(cfg.data, "test", progress=self.progress)]
