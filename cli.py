@@ -240,12 +240,16 @@ _FLAG_NAMES = {"overrides": "set", "branch_dir": "branch", "branch_step": "at"}
 @click.option("--mask-changes", "mask_changes", is_flag=True,
               help="Instead: every change of a slot's mask (eq. 5) between two of its logged steps, and each "
                    "slot's last mask, from the run's TensorBoard: a flip in a settled slot (docs/regime.md).")
+@click.option("--alive-units", "alive", default=None, metavar="STEPS",
+              help="Instead: how many units of each encoder layer fire (ReLU output > 0) on each environment's "
+                   "held-out images, under the encoders saved at these steps, e.g. 2000,10000, or 'all': a unit "
+                   "that never fires gets no gradient and does not come back (docs/regime.md).")
 @click.option("--reading", type=click.Choice(PROBE_READINGS), default=None,
               help="The code the probes read: mean, mu(x) of every latent; or sample, the paper's reading, "
                    "the masked posterior under the slot q_psi picks (docs/probes.md). Default: the run's own.")
 @_device_option()
 def evaluate(run_dir, as_json, steps, batches, own_slot, by_latent, readouts, classifier, also, step, replay, count,
-             latents, mask_changes, reading, device):
+             latents, mask_changes, alive, reading, device):
     """Recompute probes and metrics from a run's checkpoints and print them."""
     from vase.evaluation import evaluate_run, own_slot_errors_by_encoder, own_slot_text
     from vase.summary import summary_text
@@ -253,7 +257,8 @@ def evaluate(run_dir, as_json, steps, batches, own_slot, by_latent, readouts, cl
     try:
         given = [name for name, on in (("--atypicality", steps is not None), ("--own-slot", own_slot is not None),
                                        ("--readouts", readouts is not None), ("--classifier", classifier),
-                                       ("--replay", replay is not None), ("--mask-changes", mask_changes)) if on]
+                                       ("--replay", replay is not None), ("--mask-changes", mask_changes),
+                                       ("--alive-units", alive is not None)) if on]
         if len(given) > 1:
             raise VaseError(f"{' and '.join(given)} are separate readings: give one at a time")
         count_given = click.get_current_context().get_parameter_source("count") != click.core.ParameterSource.DEFAULT
@@ -270,6 +275,12 @@ def evaluate(run_dir, as_json, steps, batches, own_slot, by_latent, readouts, cl
             raise VaseError("--also goes with --classifier: it adds environments to q_psi's reading")
         if mask_changes:
             return _mask_changes(Path(run_dir), as_json)
+        if alive is not None:
+            from vase.unit_activity import alive_units_by_encoder, alive_units_text
+
+            chosen = None if alive == "all" else _integers("--alive-units", alive)
+            rows = alive_units_by_encoder(Path(run_dir), chosen, _resolve_device(device))
+            return click.echo(json.dumps(rows, indent=2) if as_json else alive_units_text(rows))
         if readouts is not None:
             return _readouts(Path(run_dir), readouts, as_json, _resolve_device(device))
         if classifier:

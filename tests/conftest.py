@@ -18,3 +18,22 @@ def digit_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("digit_root")
     import_raw(source, root)
     return root
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """A tiny trained run to read: two sprite environments, 4 steps each, a checkpoint every 2 steps
+    (so two are kept), probes and saved encoders every 2 steps. Tests read it; `vase inspect` adds
+    its pictures."""
+    from click.testing import CliRunner
+    from test_cli import tiny_args
+
+    from cli import main
+
+    root = tmp_path_factory.mktemp("tiny_run")
+    run = root / "run"
+    args = tiny_args(run, root / "data", steps=4, probe__every=2, train__checkpoint_every=2)
+    args[1:1] = ["--sequence", "moving_shapes_a,shapes_b"]
+    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return run

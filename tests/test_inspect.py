@@ -196,18 +196,6 @@ def invoke(args):
     return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    """Two sprite environments, 4 steps each, a checkpoint every 2 steps (so two are kept)."""
-    root = tmp_path_factory.mktemp("inspect")
-    run = root / "run"
-    args = tiny_args(run, root / "data", steps=4, probe__every=2, train__checkpoint_every=2)
-    args[1:1] = ["--sequence", "moving_shapes_a,shapes_b"]
-    result = invoke(args)
-    assert result.exit_code == 0, result.output
-    return run
-
-
 def test_inspect_writes_every_picture_and_prints_the_paths(tiny_run):
     result = invoke(["inspect", tiny_run])
     assert result.exit_code == 0, result.output

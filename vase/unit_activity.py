@@ -1,0 +1,75 @@
+"""`vase eval RUN --alive-units STEPS`: how many units of each of the encoder's ReLU layers fire on
+an environment's held-out images, under the encoders a run saved (docs/regime.md, "Units that stop
+firing").
+
+A unit whose ReLU output is zero on every image gets no gradient, so training cannot bring it back:
+the count is the width the encoder has left. A conv unit is a channel (it fires if its output is
+positive at any position of any image); an fc unit is one of the hidden layer's outputs.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vase.checkpoint import load_weights
+from vase.errors import VaseError
+from vase.networks import Encoder
+
+
+def alive_units(encoder: Encoder, x: torch.Tensor) -> list[int]:
+    """Per ReLU layer of the encoder, the convs' in order and then the fc layer's: the units whose
+    output is positive somewhere on the images x."""
+    counts = []
+    with torch.no_grad():
+        h = x
+        for layer in encoder.convs:
+            h = layer(h)
+            if isinstance(layer, nn.ReLU):
+                counts.append(int((h.amax(dim=(0, 2, 3)) > 0).sum()))
+        hidden = torch.relu(encoder.fc(h.flatten(1)))
+        counts.append(int((hidden.amax(0) > 0).sum()))
+    return counts
+
+
+def layer_widths(encoder: Encoder) -> list[int]:
+    """The number of units of each ReLU layer `alive_units` counts."""
+    convs = [layer.out_channels for layer in encoder.convs if isinstance(layer, nn.Conv2d)]
+    return convs + [encoder.fc.out_features]
+
+
+def alive_units_by_encoder(run_dir: Path, steps: list[int] | None, device: torch.device | str = "cpu") -> list[dict]:
+    """A row per saved encoder of `steps` (None: every one the run saved) and test environment of the
+    run's sequence: the alive units of each layer on its held-out images."""
+    from vase.evaluation import encoders_at, saved_encoders
+    from vase.inspection import open_run
+
+    run = open_run(run_dir, device=device)
+    paths = saved_encoders(run_dir) if steps is None else encoders_at(run_dir, steps, run.cfg.probe.every)
+    if not paths:
+        raise VaseError(f"{run_dir} has saved no encoder yet: a run saves one at each probe point")
+    encoder = Encoder(run.cfg.model).to(device)
+    rows = []
+    for step, path in paths.items():
+        encoder.load_state_dict(load_weights(path))
+        read = set()
+        for env, x in zip(run.test_envs, run.held_out):
+            if env.name in read:  # an environment the sequence repeats: read once
+                continue
+            read.add(env.name)
+            rows.append({"step": step, "environment": env.name, "alive": alive_units(encoder, x),
+                         "of": layer_widths(encoder)})
+    return rows
+
+
+def alive_units_text(rows: list[dict]) -> str:
+    """The rows as one table per environment: a line per step, a column per layer."""
+    widths = rows[0]["of"]
+    names = [f"conv{i + 1}" for i in range(len(widths) - 1)] + ["fc"]
+    lines = ["units of each encoder layer that fire (ReLU output > 0) on any held-out image, of "
+             + ", ".join(f"{n} {w}" for n, w in zip(names, widths)) + ":"]
+    for env in dict.fromkeys(r["environment"] for r in rows):
+        lines += ["", f"  {env}", f"  {'step':>9}" + "".join(f"{n:>7}" for n in names)]
+        lines += [f"  {r['step']:>9}" + "".join(f"{a:>7}" for a in r["alive"]) for r in rows if r["environment"] == env]
+    return "\n".join(lines)
