@@ -48,6 +48,8 @@ def time_blocks(variants: dict[str, Callable[[], None]], rounds: int = ROUNDS) -
 
 def bench_run(run_dir: Path, steps: int, threads: int = 0, json_out: str | None = None,
               echo: Callable[[str], None] = print) -> dict:
+    """Time `steps` of the run's own training step from its newest checkpoint, denormals kept and
+    flushed, in ROUNDS interleaved blocks; print the figures, write the JSON and return them."""
     from vase.inspection import open_run
 
     run = open_run(run_dir)

@@ -200,8 +200,8 @@ class TrainConfig:
     # Flush denormal floats to zero on the CPU (torch.set_flush_denormal). As a run trains, more of
     # Adam's moment estimates fall under 1.2e-38, and x86 CPUs compute slowly on such values: the
     # extended study's SDA step slowed from 3.3 to 2.2 steps/s over 10,000 steps, and flushing
-    # makes it x1.45 faster from there (`vase bench --run`, docs/benchmarks.md). A flushed value
-    # moved its weight by under 1e-30: the training is the same but for float rounding.
+    # makes it x1.45 faster from there (`vase bench --run`, docs/benchmarks.md). A flushed moment
+    # moves its weight by under 1e-30 a step: the study's encoders came out bit-identical to 10,000.
     flush_denormals: bool = True
     # On CUDA in fp32: replay the encoder's and decoder's training passes and the snapshot's dream
     # passes as CUDA graphs (vase.cuda_graphs; measured by `vase bench --device`, docs/devices.md).
