@@ -7,17 +7,14 @@ on the same batches, timed in interleaved blocks; nothing on disk changes.
 """
 from __future__ import annotations
 
-import statistics
-import time
+import itertools
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from vase.bench_device import write_json
+from vase.bench_device import ROUNDS, time_variants, write_json
 from vase.device import configure_denormals
-
-ROUNDS = 5
 
 
 def optimiser_denormals(learner) -> tuple[int, int]:
@@ -35,17 +32,6 @@ def optimiser_denormals(learner) -> tuple[int, int]:
     return nonzero, denormal
 
 
-def time_blocks(variants: dict[str, Callable[[], None]], rounds: int = ROUNDS) -> dict[str, list[float]]:
-    """Seconds of each variant's block in each of `rounds` interleaved rounds."""
-    out: dict[str, list[float]] = {k: [] for k in variants}
-    for _ in range(rounds):
-        for name, block in variants.items():
-            t = time.perf_counter()
-            block()
-            out[name].append(time.perf_counter() - t)
-    return out
-
-
 def bench_run(run_dir: Path, steps: int, threads: int = 0, json_out: str | None = None,
               echo: Callable[[str], None] = print) -> dict:
     """Time `steps` of the run's own training step from its newest checkpoint, denormals kept and
@@ -61,25 +47,26 @@ def bench_run(run_dir: Path, steps: int, threads: int = 0, json_out: str | None 
     last = run.cfg.data.total_steps() - 1  # a finished run steps on with its last environment's batches
     batches = [stream.batch(min(start + i, last), generator) for i in range(steps)]
 
-    def block(flush: bool) -> Callable[[], None]:
-        def run_block() -> None:
+    cycle = itertools.cycle(batches)
+
+    def step(flush: bool) -> Callable[[], None]:
+        def one() -> None:
             configure_denormals(flush)
-            for x in batches:
-                learner.training_step(x)
-        return run_block
+            learner.training_step(next(cycle))
+        return one
 
     configure_denormals(False)
     nonzero, denormal = optimiser_denormals(learner)
     share = denormal / max(nonzero, 1)
-    times = time_blocks({"kept": block(False), "flushed": block(True)})
+    # Interleaved rounds of `steps` steps each, medians per step (as `vase bench --device` times).
+    times = time_variants({"kept": step(False), "flushed": step(True)}, torch.device("cpu"), steps)
     configure_denormals(run.cfg.train.flush_denormals)
-    kept, flushed = (statistics.median(times[k]) / steps for k in ("kept", "flushed"))
+    kept, flushed = times["kept"], times["flushed"]
     result = {
         "run_dir": str(run_dir), "step": start, "steps_per_block": steps, "rounds": ROUNDS,
         "threads": torch.get_num_threads(), "run_flushes_denormals": run.cfg.train.flush_denormals,
         "optimiser_state_denormal": denormal, "optimiser_state_nonzero": nonzero,
         "median_step_s": {"kept": kept, "flushed": flushed}, "speedup_from_flushing": kept / flushed,
-        "blocks_s": times,
     }
     echo(f"{run_dir} at step {start:,}, {torch.get_num_threads()} thread(s), {ROUNDS} interleaved rounds of "
          f"{steps} steps:")
