@@ -249,7 +249,7 @@ def test_eval_atypicality_reads_every_environment_under_each_saved_encoder(sprit
 
 
 @pytest.mark.slow
-def test_eval_readouts_read_each_environments_identity_four_ways(sprite_run):
+def test_eval_readouts_read_each_environments_identity_five_ways(sprite_run):
     run, result = sprite_run
     assert result.exit_code == 0, result.output
     out = invoke(["eval", str(run), "--readouts", "20", "--json"])
@@ -258,11 +258,16 @@ def test_eval_readouts_read_each_environments_identity_four_ways(sprite_run):
     assert [r["environment"] for r in rows] == ["moving_shapes_a", "shapes_b", "moving_shapes_b"]
     for r in rows:  # 200 training sprites each (TINY): all of them, and the probe's 50 for the first read-out
         assert (r["step"], r["probe_images"], r["more_images"]) == (20, 50, 200)
-        assert all(0.0 <= r[key] <= 1.0 for key in ("linear", "linear_more", "neighbours", "mlp"))
+        assert all(0.0 <= r[key] <= 1.0 for key in ("linear", "linear_more", "neighbours", "mlp", "hidden_linear"))
         assert len(r["nats"]) == 24 and min(r["nats"]) >= 0.0 and sum(r["nats"]) > 0.0
     text = invoke(["eval", str(run), "--readouts", "20"]).stdout
     assert "encoder saved at step 20" in text and "moving_shapes_b" in text
     fails_in_one_line(CliRunner().invoke(main, ["eval", str(run), "--readouts", "25"]), "no saved encoder of step 25")
+    only = json.loads(invoke(["eval", str(run), "--readouts", "20", "--envs", "shapes_b", "--json"]).stdout)
+    assert [r["environment"] for r in only] == ["shapes_b"] and only[0] == rows[1]  # the same probe sets
+    fails_in_one_line(CliRunner().invoke(main, ["eval", str(run), "--readouts", "20", "--envs", "mnist"]),
+                      "mnist not in the run's sequence")
+    fails_in_one_line(CliRunner().invoke(main, ["eval", str(run), "--envs", "shapes_b"]), "--envs goes with --readouts")
     fails_in_one_line(CliRunner().invoke(main, ["eval", str(run), "--readouts", "20", "--classifier"]),
                       "separate readings")
 

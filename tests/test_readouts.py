@@ -1,8 +1,12 @@
 """The read-outs of `vase eval --readouts` tell a code that lacks identity from one that holds it
 nonlinearly (docs/regime.md, "The regime")."""
 import numpy as np
+import torch
 
-from vase.readouts import Readout, readout_accuracies, readouts_text
+from vase.config import build_config
+from vase.evaluation import FrozenEncoder
+from vase.objective import kl_per_latent
+from vase.readouts import Readout, codes_and_nats, readout_accuracies, readouts_text
 
 
 def _rings(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -44,9 +48,36 @@ def test_the_first_linear_read_out_fits_only_the_probes_number_of_images():
 
 
 def test_the_text_names_each_environment_and_its_image_counts():
-    rows = [Readout(60000, "moving_fashion", 2000, 20000, 0.612, 0.634, 0.651, 0.694, [0.05, 6.9, 0.0, 5.1])]
+    rows = [Readout(60000, "moving_fashion", 2000, 20000, 0.612, 0.634, 0.651, 0.694, 0.733, [0.05, 6.9, 0.0, 5.1])]
     text = readouts_text(rows)
     assert "step 60000" in text
-    assert "moving_fashion   | 61.2 (2,000)          | 63.4 (20,000) | 65.1       | 69.4" in text
+    assert "moving_fashion   | 61.2 (2,000)          | 63.4 (20,000) | 65.1       | 69.4       | 73.3" in text
     assert "moving_fashion   | total 12.1: z1 6.9, z3 5.1" in text  # z0's 0.05 nat is below the line
     assert readouts_text([]).startswith("no environment")
+
+
+class _Images:
+    """An environment of fixed images, read by index as a run's environments are."""
+
+    def __init__(self, x: torch.Tensor):
+        self.x = x
+
+    def batch(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.x[idx]
+
+
+def test_the_hidden_read_out_reads_the_layer_that_mu_is_a_linear_map_of():
+    """The hidden codes are the fc layer's ReLU outputs: non-negative, and μ and the nats are what
+    the encoder's head makes of them, image by image, in the order of the indices."""
+    torch.manual_seed(0)
+    encode = FrozenEncoder(build_config("cpu", ["model.channels=4,4,6,6", "model.hidden=8"]).model)
+    x = torch.rand(40, 1, 64, 64, generator=torch.Generator().manual_seed(1))
+    indices = np.array([5, 3, 39, 0, 17])
+    mu, hidden, nats = codes_and_nats(_Images(x), indices, encode)
+    assert mu.shape == (5, 24) and hidden.shape == (5, 8) and hidden.min() >= 0.0
+    head_mu, head_logvar = encode.net.head(torch.as_tensor(hidden, dtype=torch.float32)).chunk(2, dim=1)
+    np.testing.assert_allclose(mu, head_mu.detach().numpy(), rtol=1e-5, atol=1e-6)
+    direct = encode.posterior(x[torch.as_tensor(indices)])
+    np.testing.assert_allclose(mu, direct.mu.numpy(), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(nats, kl_per_latent(head_mu.double(), head_logvar.double()).mean(0).detach().numpy(),
+                               rtol=1e-4)

@@ -8,6 +8,11 @@ neighbours and a small MLP. All are scored on the probe's own held-out images, r
 encoder saved at the step. Where every read-out stays low, the code is the limit
 (docs/regime.md, "The regime"); the nats each latent carries on those images (KL to the prior,
 eq. 3's term) show where the code's capacity went instead.
+
+A fifth read-out fits the same linear classifier to the encoder's last hidden layer (the fc layer's
+ReLU outputs, from which μ and log σ² are one linear map) on the 20,000 images. Where it is well
+above the code's, the encoder's features hold identity that the capacity-bounded code leaves out;
+where it is as low, the features themselves lack it (docs/regime.md, "Units that stop firing").
 """
 from __future__ import annotations
 
@@ -24,10 +29,11 @@ from sklearn.preprocessing import StandardScaler
 from vase.checkpoint import load_weights
 from vase.config import Config
 from vase.data.environments import load_environment
+from vase.errors import VaseError
 from vase.evaluation import FrozenEncoder, encoders_at
 from vase.metrics.probes import object_id_accuracy
 from vase.objective import kl_per_latent
-from vase.probing import ENCODE_CHUNK, draw_probe_sets, encode_indices
+from vase.probing import ENCODE_CHUNK, draw_probe_sets
 
 MORE_IMAGES = 20_000  # [ours] ten times the probe's training set: what more data alone buys
 NEIGHBOURS = 15  # [ours]
@@ -38,7 +44,7 @@ NATS_SHOWN = 0.1  # the text lists the latents above this
 
 @dataclass
 class Readout:
-    """One environment's identity under one saved encoder, read four ways (accuracies in [0, 1])."""
+    """One environment's identity under one saved encoder, read five ways (accuracies in [0, 1])."""
 
     step: int
     environment: str
@@ -48,6 +54,7 @@ class Readout:
     linear_more: float
     neighbours: float
     mlp: float
+    hidden_linear: float  # the linear classifier on the encoder's last hidden layer, more images
     nats: list[float]  # mean KL of each latent on the held-out images
 
     def as_dict(self) -> dict:
@@ -71,26 +78,32 @@ def readout_accuracies(codes: np.ndarray, labels: np.ndarray, test_codes: np.nda
     }
 
 
-def codes_and_nats(env, indices: np.ndarray, encode: FrozenEncoder) -> tuple[np.ndarray, list[float]]:
-    """μ(x) of env's items at `indices` (as `encode_indices` gives it) and the mean KL to the prior of
-    each latent (nats) on them, from one pass of the encoder."""
-    mus, total = [], 0.0
+def codes_and_nats(env, indices: np.ndarray, encode: FrozenEncoder) -> tuple[np.ndarray, np.ndarray, list[float]]:
+    """μ(x) of env's items at `indices` (as `encode_indices` gives it), the encoder's last hidden
+    layer on them, and the mean KL to the prior of each latent (nats) on them, from one pass."""
+    mus, hidden, total = [], [], 0.0
     for start in range(0, len(indices), ENCODE_CHUNK):
         post = encode.posterior(env.batch(torch.as_tensor(indices[start:start + ENCODE_CHUNK], dtype=torch.long)))
         mus.append(post.mu.double().cpu().numpy())
+        hidden.append(post.hidden.double().cpu().numpy())
         total = total + kl_per_latent(post.mu.double(), post.logvar.double()).sum(0)
-    return np.concatenate(mus), (total / len(indices)).tolist()
+    return np.concatenate(mus), np.concatenate(hidden), (total / len(indices)).tolist()
 
 
 def run_readouts(run_dir: Path, cfg: Config, step: int, device: torch.device | str = "cpu",
-                 echo=print) -> list[Readout]:
-    """The read-outs of every environment of the run's sequence with a class factor, under the
-    encoder saved at `step`; the test images are the probe's held-out set of that environment."""
+                 echo=print, envs: list[str] | None = None) -> list[Readout]:
+    """The read-outs of every environment of the run's sequence with a class factor (of `envs` alone,
+    if given), under the encoder saved at `step`; the test images are the probe's held-out set of
+    that environment."""
+    foreign = [name for name in envs or [] if name not in cfg.data.sequence]
+    if foreign:
+        raise VaseError(f"{', '.join(foreign)} not in the run's sequence ({','.join(cfg.data.sequence)}): "
+                        "--envs chooses among its environments")
     path = encoders_at(run_dir, [step], cfg.probe.every)[step]
     encode = FrozenEncoder(cfg.model, device).load(load_weights(path))
     rows, seen = [], set()
     for i, name in enumerate(cfg.data.sequence):
-        if name in seen:  # a returning environment is the same data under the same encoder
+        if name in seen or (envs and name not in envs):  # a returning environment: the same data and encoder
             continue
         seen.add(name)
         test = load_environment(name, "test", cfg.data, progress=False)
@@ -101,11 +114,13 @@ def run_readouts(run_dir: Path, cfg: Config, step: int, device: torch.device | s
         _, held_out = draw_probe_sets(len(test), cfg.probe.train_size, cfg.probe.test_size, cfg.probe.seed + i)
         chosen = np.random.default_rng(cfg.probe.seed + i).permutation(len(train))[:MORE_IMAGES]
         probe_images = min(cfg.probe.train_size, len(chosen))
-        test_codes, nats = codes_and_nats(test, held_out, encode)
-        accuracies = readout_accuracies(
-            encode_indices(train, chosen, encode), np.asarray(train.factors["class"])[chosen],
-            test_codes, np.asarray(test.factors["class"])[held_out], probe_images, cfg.probe.seed + i)
-        rows.append(Readout(step, name, probe_images, len(chosen), **accuracies, nats=nats))
+        test_codes, test_hidden, nats = codes_and_nats(test, held_out, encode)
+        codes, hidden, _ = codes_and_nats(train, chosen, encode)
+        labels, test_labels = np.asarray(train.factors["class"])[chosen], np.asarray(test.factors["class"])[held_out]
+        accuracies = readout_accuracies(codes, labels, test_codes, test_labels, probe_images, cfg.probe.seed + i)
+        hidden_linear = object_id_accuracy(hidden, labels, test_hidden, test_labels, cfg.probe.seed + i)
+        rows.append(Readout(step, name, probe_images, len(chosen), **accuracies, hidden_linear=hidden_linear,
+                            nats=nats))
     return rows
 
 
@@ -114,16 +129,19 @@ def readouts_text(rows: list[Readout]) -> str:
         return "no environment of the sequence has a class factor: nothing to read out"
     lines = [f"object identity from mu(x) of the encoder saved at step {rows[0].step}, scored on each probe's "
              "held-out images (accuracy, %; training images in brackets):",
-             "  environment      | linear (as the probe) | linear (more) | kNN (more) | MLP (more)"]
+             "  environment      | linear (as the probe) | linear (more) | kNN (more) | MLP (more) "
+             "| hidden layer, linear (more)"]
     for r in rows:
         cells = [f"{100 * r.linear:.1f} ({r.probe_images:,})", f"{100 * r.linear_more:.1f} ({r.more_images:,})",
-                 f"{100 * r.neighbours:.1f}", f"{100 * r.mlp:.1f}"]
-        lines.append(f"  {r.environment:<16} | {cells[0]:<21} | {cells[1]:<13} | {cells[2]:<10} | {cells[3]}")
+                 f"{100 * r.neighbours:.1f}", f"{100 * r.mlp:.1f}", f"{100 * r.hidden_linear:.1f}"]
+        lines.append(f"  {r.environment:<16} | {cells[0]:<21} | {cells[1]:<13} | {cells[2]:<10} | {cells[3]:<10} "
+                     f"| {cells[4]}")
     lines.append("nats per latent on the same images (KL to the prior; those above "
                  f"{NATS_SHOWN} nat, most first):")
     for r in rows:
         shown = sorted((n for n in range(len(r.nats)) if r.nats[n] > NATS_SHOWN), key=lambda n: -r.nats[n])
         lines.append(f"  {r.environment:<16} | total {sum(r.nats):.1f}: "
                      + ", ".join(f"z{n} {r.nats[n]:.1f}" for n in shown))
-    lines.append("where every read-out stays low, the code, not the linear probe, limits Table 1's ID columns")
+    lines.append("where every read-out of mu stays low, the code, not the linear probe, limits Table 1's ID columns; "
+                 "where the hidden layer's is low too, the encoder's features do")
     return "\n".join(lines)
