@@ -2,9 +2,10 @@
 an environment's held-out images, under the encoders a run saved (docs/regime.md, "Units that stop
 firing").
 
-A unit whose ReLU output is zero on every image gets no gradient, so training cannot bring it back:
-the count is the width the encoder has left. A conv unit is a channel (it fires if its output is
-positive at any position of any image); an fc unit is one of the hidden layer's outputs.
+A unit whose ReLU output is zero on every image gets no gradient to its own weights: only a change in
+the layers below it can make it fire again, so the count is the width the encoder learns with. A conv
+unit is a channel (it fires if its output is positive at any position of any image); an fc unit is
+one of the hidden layer's outputs.
 """
 from __future__ import annotations
 
