@@ -67,12 +67,13 @@ def test_recorded_passes_of_a_vase_step():
 
 
 # -- the layer implementations compute the same function -----------------------------------------------
-@pytest.mark.parametrize("kernel", ["native", "onednn"])
+@pytest.mark.parametrize("kernel,slope", [("native", 0.0), ("onednn", 0.0), ("native", 0.2)])
 @pytest.mark.parametrize("route", ["swapped", "nchw"])
 @pytest.mark.parametrize("preset", ["cpu", "paper"])
-def test_optimised_networks_match_a_plain_nchw_evaluation(preset, route, kernel, monkeypatch):
+def test_optimised_networks_match_a_plain_nchw_evaluation(preset, route, kernel, slope, monkeypatch):
     monkeypatch.setattr(conv_paths, "TRANSPOSED_WEIGHT_GRAD", route)  # both weight-gradient routes of the deconvs
-    cfg = build_config(preset, [f"model.weight_grad_kernel={kernel}"])  # ours (where built) or oneDNN's
+    # ours (where built) or oneDNN's weight gradients; the paper's ReLU or a leaky one (model.negative_slope)
+    cfg = build_config(preset, [f"model.weight_grad_kernel={kernel}", f"model.negative_slope={slope}"])
     torch.manual_seed(0)
     model = VAE(cfg.model)  # "fast" layers, channels_last parameters
     assert model.encoder.implementation == "fast" and model.decoder.implementation == "fast"

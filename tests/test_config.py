@@ -181,6 +181,13 @@ def test_bad_list_values_are_refused_clearly(assignment, message):
         build_config("cpu", [assignment])
 
 
+@pytest.mark.parametrize("slope", ["-0.1", "1.0"])
+def test_the_negative_slope_must_leave_a_nonlinearity(slope):
+    with pytest.raises(ConfigError, match=r"model.negative_slope must be in \[0, 1\)"):
+        build_config("cpu", [f"model.negative_slope={slope}"]).validate()
+    assert build_config("cpu", ["model.negative_slope=0.01"]).model.negative_slope == 0.01
+
+
 def test_a_json_list_setting_must_be_a_list():
     with pytest.raises(ConfigError, match="model.channels must be a list of integers, got '8,8,8,8'"):
         Config.from_dict({"model": {"channels": "8,8,8,8"}})

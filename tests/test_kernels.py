@@ -139,7 +139,7 @@ def test_a_failing_compiler_falls_back_to_onednn(fresh_library, monkeypatch, tmp
     assert not list(tmp_path.rglob("*.so"))
     x = torch.randn(2, 16, 16, 16, requires_grad=True)
     conv = torch.nn.Conv2d(16, 4, 4, 2, 1)
-    y = conv_paths._ConvReLU.apply(x, conv.weight, conv.bias, False, True, True)
+    y = conv_paths._ConvReLU.apply(x, conv.weight, conv.bias, False, 0.0, True)
     y.square().sum().backward()
     assert conv.weight.grad is not None and torch.isfinite(conv.weight.grad).all()
 

@@ -16,9 +16,9 @@ from vase.unit_activity import alive_units, layer_widths
 SMALL = ["model.channels=4,4,6,6", "model.hidden=8"]
 
 
-def encoder() -> Encoder:
+def encoder(*sets: str) -> Encoder:
     """Positive weights and biases: on images in [0, 1] every unit's output is positive everywhere."""
-    net = Encoder(build_config("cpu", SMALL).model)
+    net = Encoder(build_config("cpu", [*SMALL, *sets]).model)
     with torch.no_grad():
         for layer in [*net.convs, net.fc]:
             if hasattr(layer, "weight"):
@@ -50,6 +50,18 @@ def test_units_made_dead_are_not_counted_and_the_rest_are():
     kill(conv3, [0, 4])
     kill(net.fc, [1, 2, 7])
     assert alive_units(net, images()) == [4, 4, 4, 6, 5]
+
+
+def test_under_a_leaky_relu_a_unit_fires_only_where_its_output_is_positive():
+    """model.negative_slope: a killed unit's output is -slope, not zero, everywhere; it still does not fire,
+    and the units below it still see it (the next layer's input is not zero)."""
+    net = encoder("model.negative_slope=0.1")
+    conv3 = [m for m in net.convs if isinstance(m, torch.nn.Conv2d)][2]
+    kill(conv3, [0, 4])
+    kill(net.fc, [1, 2, 7])
+    assert alive_units(net, images()) == [4, 4, 4, 6, 5]
+    conv3_out = torch.nn.Sequential(*list(net.convs)[:6])(images())
+    torch.testing.assert_close(conv3_out[:, 0], torch.full_like(conv3_out[:, 0], -0.1))
 
 
 def test_a_unit_is_alive_if_it_fires_on_one_image_and_dead_at_exactly_zero():

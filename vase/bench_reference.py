@@ -8,7 +8,7 @@ from torch.nn import functional as F
 
 from vase import conv_paths
 from vase.config import Config, ModelConfig
-from vase.networks import IMAGE_SIZE, he_init
+from vase.networks import IMAGE_SIZE, activation, he_init
 from vase.objective import capacity, kl_per_latent, mdl_loss
 
 
@@ -20,19 +20,21 @@ class ReferenceVAE(nn.Module):
         ch = m.channels
         c, r = [m.image_channels, *ch], [*reversed(ch), m.image_channels]
         feat = ch[-1] * (IMAGE_SIZE // 16) ** 2
+        slope = m.negative_slope
         enc: list[nn.Module] = []
         for a, b in zip(c[:-1], c[1:]):
-            enc += [nn.Conv2d(a, b, 4, 2, 1), nn.ReLU()]
-        self.encoder = nn.Sequential(*enc, nn.Flatten(), nn.Linear(feat, m.hidden), nn.ReLU(),
+            enc += [nn.Conv2d(a, b, 4, 2, 1), activation(slope)]
+        self.encoder = nn.Sequential(*enc, nn.Flatten(), nn.Linear(feat, m.hidden), activation(slope),
                                      nn.Linear(m.hidden, 2 * m.latents))
-        dec: list[nn.Module] = [nn.Linear(m.latents + m.k_max, m.hidden), nn.ReLU(), nn.Linear(m.hidden, feat),
-                                nn.ReLU(), nn.Unflatten(1, (ch[-1], IMAGE_SIZE // 16, IMAGE_SIZE // 16))]
+        dec: list[nn.Module] = [nn.Linear(m.latents + m.k_max, m.hidden), activation(slope),
+                                nn.Linear(m.hidden, feat), activation(slope),
+                                nn.Unflatten(1, (ch[-1], IMAGE_SIZE // 16, IMAGE_SIZE // 16))]
         for i, (a, b) in enumerate(zip(r[:-1], r[1:])):
             dec.append(nn.ConvTranspose2d(a, b, 4, 2, 1))
             if i < len(r) - 2:
-                dec.append(nn.ReLU())
+                dec.append(activation(slope))
         self.decoder = nn.Sequential(*dec)
-        he_init(self)
+        he_init(self, slope)
 
 
 def reference_from(model: nn.Module, m: ModelConfig) -> ReferenceVAE:

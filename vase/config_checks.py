@@ -67,6 +67,8 @@ def problems(cfg: Config) -> list[str]:
         errs.append(str(e))
     if len(cfg.model.channels) != 4 or any(c <= 0 for c in cfg.model.channels):
         errs.append(f"model.channels must be 4 positive integers, got {cfg.model.channels}")
+    if not 0.0 <= cfg.model.negative_slope < 1.0:
+        errs.append(f"model.negative_slope must be in [0, 1), got {cfg.model.negative_slope}")
     if cfg.model.latents < 1:
         errs.append("model.latents must be at least 1")
     return errs

@@ -73,6 +73,9 @@ class ModelConfig:
     # the sums may differ in the last bits, so the value is part of what reproduces a run (runs
     # from before this field existed used "onednn").
     weight_grad_kernel: str = "native"
+    # Slope of every hidden activation below zero [ours, beyond the paper]: 0 is the paper's ReLU; a
+    # leaky ReLU (e.g. 0.01) has units that cannot stop firing (docs/regime.md, "Units that stop firing").
+    negative_slope: float = 0.0
 
 
 @dataclass

@@ -93,21 +93,25 @@ class _ConvReLU(torch.autograd.Function):
       (`_weight_grad`; oneDNN's transposed primitive is up to 2x slower in channels_last and needs NCHW
       copies otherwise);
     - weight gradient of the one-input-channel first conv as a matmul over image patches;
-    - the ReLU is applied in place and its backward reads the saved output in the same memory format
-      as the incoming gradient (a mixed-format threshold_backward is ~10x slower).
+    - the ReLU (`slope` 0; a leaky ReLU above 0, model.negative_slope; None: no activation) is applied
+      in place and its backward reads the saved output in the same memory format as the incoming
+      gradient (a mixed-format threshold_backward is ~10x slower). The output's sign is the input's
+      for every slope >= 0, so the saved output gives the leaky ReLU's gradient too.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, transposed: bool, relu: bool, native: bool):  # noqa: D401
+    def forward(ctx, x, weight, bias, transposed: bool, slope: float | None, native: bool):  # noqa: D401
         x = x.contiguous(memory_format=_CL)
         if transposed and weight.shape[1] == 1:
             y = _deconv_one_channel(x, weight, bias)
         else:
             y = _aten.convolution(x, weight, bias, _STRIDE, _PADDING, _DILATION, transposed, [0, 0], 1)
-        if relu:
+        if slope == 0:
             y = y.relu_()
-        ctx.transposed, ctx.relu, ctx.has_bias, ctx.native = transposed, relu, bias is not None, native
-        ctx.save_for_backward(x, weight, y if relu else None)
+        elif slope is not None:
+            y = _aten.leaky_relu_(y, slope)
+        ctx.transposed, ctx.slope, ctx.has_bias, ctx.native = transposed, slope, bias is not None, native
+        ctx.save_for_backward(x, weight, None if slope is None else y)
         return y
 
     @staticmethod
@@ -116,8 +120,10 @@ class _ConvReLU(torch.autograd.Function):
         x, weight, y = ctx.saved_tensors
         transposed = ctx.transposed
         grad = grad.contiguous(memory_format=_CL)
-        if ctx.relu:
+        if ctx.slope == 0:
             grad = _aten.threshold_backward(grad, y, 0)
+        elif ctx.slope is not None:
+            grad = _aten.leaky_relu_backward(grad, y, ctx.slope, True)
         out_channels = weight.shape[1] if transposed else weight.shape[0]
         grad_x = grad_w = grad_b = None
         args = (_STRIDE, _PADDING, _DILATION, transposed, [0, 0], 1)
@@ -180,11 +186,19 @@ def _weight_grad(grad, x, weight, transposed: bool, native: bool, want_w: bool, 
     return grad_w, grad_b
 
 
-def _layers(stack: nn.Sequential) -> list[tuple[nn.Module, bool]]:
-    """(conv, followed by a ReLU) for each conv of a `_conv_stack`."""
-    mods = list(stack)
-    return [(m, i + 1 < len(mods) and isinstance(mods[i + 1], nn.ReLU))
-            for i, m in enumerate(mods) if isinstance(m, (nn.Conv2d, nn.ConvTranspose2d))]
+def _slope(module: nn.Module | None) -> float | None:
+    """The negative slope of the activation `module` (0 for a ReLU), or None if it is none."""
+    if isinstance(module, nn.ReLU):
+        return 0.0
+    if isinstance(module, nn.LeakyReLU):
+        return module.negative_slope
+    return None
+
+
+def _layers(stack: nn.Sequential) -> list[tuple[nn.Module, float | None]]:
+    """(conv, the negative slope of the activation after it or None) for each conv of a `_conv_stack`."""
+    mods = list(stack) + [None]
+    return [(m, _slope(mods[i + 1])) for i, m in enumerate(mods[:-1]) if isinstance(m, (nn.Conv2d, nn.ConvTranspose2d))]
 
 
 def run_stack(stack: nn.Sequential, h: torch.Tensor, implementation: str, weight_grad_kernel: str) -> torch.Tensor:
@@ -194,8 +208,8 @@ def run_stack(stack: nn.Sequential, h: torch.Tensor, implementation: str, weight
     """
     if implementation == "fast":
         native = weight_grad_kernel == "native"
-        for conv, relu in _layers(stack):
-            h = _ConvReLU.apply(h, conv.weight, conv.bias, isinstance(conv, nn.ConvTranspose2d), relu, native)
+        for conv, slope in _layers(stack):
+            h = _ConvReLU.apply(h, conv.weight, conv.bias, isinstance(conv, nn.ConvTranspose2d), slope, native)
         return h
     if implementation == "channels_last":
         return stack(h.contiguous(memory_format=_CL))

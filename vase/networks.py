@@ -25,16 +25,20 @@ class Posterior(NamedTuple):
     hidden: torch.Tensor  # (B, hidden): the last hidden layer, input of the classifier q_psi
 
 
-def _conv_stack(channels: list[int], transposed: bool) -> nn.Sequential:
+def activation(negative_slope: float) -> nn.Module:
+    """The hidden layers' nonlinearity (model.negative_slope): the paper's ReLU at 0, else a leaky ReLU."""
+    return nn.LeakyReLU(negative_slope) if negative_slope > 0 else nn.ReLU()
+
+
+def _conv_stack(channels: list[int], transposed: bool, negative_slope: float) -> nn.Sequential:
     layers: list[nn.Module] = []
     conv = nn.ConvTranspose2d if transposed else nn.Conv2d
     for i, (cin, cout) in enumerate(zip(channels[:-1], channels[1:])):
         layers.append(conv(cin, cout, kernel_size=4, stride=2, padding=1))
-        # The decoder's last layer emits Bernoulli logits, so no ReLU after it.
+        # The decoder's last layer emits Bernoulli logits, so no activation after it.
         if not (transposed and i == len(channels) - 2):
-            layers.append(nn.ReLU())
+            layers.append(activation(negative_slope))
     return nn.Sequential(*layers)
-
 
 
 # -- the networks ----------------------------------------------------------------------------------------
@@ -44,15 +48,16 @@ class Encoder(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         chans = cfg.channels
-        self.convs = _conv_stack([cfg.image_channels, *chans], transposed=False)
+        self.convs = _conv_stack([cfg.image_channels, *chans], transposed=False, negative_slope=cfg.negative_slope)
         self.fc = nn.Linear(chans[-1] * FEATURE_SIZE * FEATURE_SIZE, cfg.hidden)
+        self.act = activation(cfg.negative_slope)
         self.head = nn.Linear(cfg.hidden, 2 * cfg.latents)
         self.implementation = conv_paths.default_implementation(cfg)
         self.weight_grad_kernel = cfg.weight_grad_kernel
 
     def forward(self, x: torch.Tensor) -> Posterior:
         h = conv_paths.run_stack(self.convs, x, self.implementation, self.weight_grad_kernel)
-        h = F.relu(self.fc(h.flatten(1)))
+        h = self.act(self.fc(h.flatten(1)))
         mu, logvar = self.head(h).chunk(2, dim=1)
         return Posterior(mu, logvar, h)
 
@@ -72,15 +77,17 @@ class Decoder(nn.Module):
         self.top_channels = chans[-1]
         self.fc1 = nn.Linear(cfg.latents + cfg.k_max, cfg.hidden)
         self.fc2 = nn.Linear(cfg.hidden, chans[-1] * FEATURE_SIZE * FEATURE_SIZE)
-        self.deconvs = _conv_stack([*reversed(chans), cfg.image_channels], transposed=True)
+        self.deconvs = _conv_stack([*reversed(chans), cfg.image_channels], transposed=True,
+                                   negative_slope=cfg.negative_slope)
+        self.act = activation(cfg.negative_slope)
         self.implementation = conv_paths.default_implementation(cfg)
         self.weight_grad_kernel = cfg.weight_grad_kernel
 
     def forward(self, z: torch.Tensor, env: torch.Tensor) -> torch.Tensor:
         """z: (B, N); env: (B,) int64 environment slots. Returns logits (B, C, 64, 64)."""
         onehot = F.one_hot(env, self.k_max).to(z.dtype)
-        h = F.relu(self.fc1(torch.cat([z, onehot], dim=1)))
-        h = F.relu(self.fc2(h)).view(-1, self.top_channels, FEATURE_SIZE, FEATURE_SIZE)
+        h = self.act(self.fc1(torch.cat([z, onehot], dim=1)))
+        h = self.act(self.fc2(h)).view(-1, self.top_channels, FEATURE_SIZE, FEATURE_SIZE)
         return conv_paths.run_stack(self.deconvs, h, self.implementation, self.weight_grad_kernel)
 
 
@@ -96,16 +103,17 @@ class EnvironmentClassifier(nn.Module):
         return self.linear(hidden.detach())
 
 
-def he_init(module: nn.Module) -> None:
+def he_init(module: nn.Module, negative_slope: float = 0.0) -> None:
     """He (Kaiming) normal weights and zero biases for every conv and linear layer [ours].
 
     PyTorch's default init shrinks the signal through the 6 layers of the encoder, so mu starts
     almost independent of x (std ~1e-3) and the KL term collapses the posterior before the
-    encoder learns anything; He init keeps mu's spread near 0.1 at step 0.
+    encoder learns anything; He init keeps mu's spread near 0.1 at step 0. Its gain,
+    sqrt(2 / (1 + slope^2)), is the ReLU's at slope 0.
     """
     for m in module.modules():
         if isinstance(m, (nn.Conv2d, nn.ConvTranspose2d, nn.Linear)):
-            nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
+            nn.init.kaiming_normal_(m.weight, a=negative_slope, nonlinearity="leaky_relu")
             nn.init.zeros_(m.bias)
 
 
@@ -116,7 +124,7 @@ class VAE(nn.Module):
         super().__init__()
         self.encoder = Encoder(cfg)
         self.decoder = Decoder(cfg)
-        he_init(self)
+        he_init(self, cfg.negative_slope)
         if cfg.channels_last:
             self.to(memory_format=torch.channels_last)
         conv_paths.keep_freed_memory()

@@ -1,11 +1,12 @@
-"""`vase eval RUN --alive-units STEPS`: how many units of each of the encoder's ReLU layers fire on
+"""`vase eval RUN --alive-units STEPS`: how many units of each of the encoder's hidden layers fire on
 an environment's held-out images, under the encoders a run saved (docs/regime.md, "Units that stop
 firing").
 
 A unit whose ReLU output is zero on every image gets no gradient to its own weights: only a change in
 the layers below it can make it fire again, so the count is the width the encoder learns with. A conv
 unit is a channel (it fires if its output is positive at any position of any image); an fc unit is
-one of the hidden layer's outputs.
+one of the hidden layer's outputs. Under a leaky ReLU (model.negative_slope > 0) a unit still gets
+gradient where it does not fire, so there the count says how many units are active, not which can learn.
 """
 from __future__ import annotations
 
@@ -20,22 +21,22 @@ from vase.networks import Encoder
 
 
 def alive_units(encoder: Encoder, x: torch.Tensor) -> list[int]:
-    """Per ReLU layer of the encoder, the convs' in order and then the fc layer's: the units whose
+    """Per hidden layer of the encoder, the convs' in order and then the fc layer's: the units whose
     output is positive somewhere on the images x."""
     counts = []
     with torch.no_grad():
         h = x
         for layer in encoder.convs:
             h = layer(h)
-            if isinstance(layer, nn.ReLU):
+            if isinstance(layer, (nn.ReLU, nn.LeakyReLU)):
                 counts.append(int((h.amax(dim=(0, 2, 3)) > 0).sum()))
-        hidden = torch.relu(encoder.fc(h.flatten(1)))
+        hidden = encoder.act(encoder.fc(h.flatten(1)))
         counts.append(int((hidden.amax(0) > 0).sum()))
     return counts
 
 
 def layer_widths(encoder: Encoder) -> list[int]:
-    """The number of units of each ReLU layer `alive_units` counts."""
+    """The number of units of each hidden layer `alive_units` counts."""
     convs = [layer.out_channels for layer in encoder.convs if isinstance(layer, nn.Conv2d)]
     return convs + [encoder.fc.out_features]
 
@@ -68,7 +69,7 @@ def alive_units_text(rows: list[dict]) -> str:
     """The rows as one table per environment: a line per step, a column per layer."""
     widths = rows[0]["of"]
     names = [f"conv{i + 1}" for i in range(len(widths) - 1)] + ["fc"]
-    lines = ["units of each encoder layer that fire (ReLU output > 0) on any held-out image, of "
+    lines = ["units of each encoder layer that fire (output > 0) on any held-out image, of "
              + ", ".join(f"{n} {w}" for n, w in zip(names, widths)) + ":"]
     for env in dict.fromkeys(r["environment"] for r in rows):
         lines += ["", f"  {env}", f"  {'step':>9}" + "".join(f"{n:>7}" for n in names)]
