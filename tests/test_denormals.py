@@ -11,9 +11,10 @@ from click.testing import CliRunner
 from test_cli import tiny_args
 
 from cli import main
-from vase.bench_run import optimiser_denormals
+from vase.bench_run import optimiser_denormals, started_anew
 from vase.config import build_config, load_run_config
 from vase.device import configure_denormals
+from vase.inspection import open_run
 
 TINY = torch.finfo(torch.float32).tiny  # the smallest normal float32, 1.18e-38
 
@@ -79,6 +80,24 @@ def test_bench_run_times_a_runs_own_step_both_ways_and_leaves_the_run_alone(tmp_
     kept, flushed = data["median_step_s"]["kept"], data["median_step_s"]["flushed"]
     assert kept > 0 and flushed > 0 and data["speedup_from_flushing"] == pytest.approx(kept / flushed)
     assert 0 <= data["optimiser_state_denormal"] <= data["optimiser_state_nonzero"] > 0
-    assert "flushed to zero" in result.output
+    assert data["trained_over_anew"] is None  # the run has ended: a new run's step is not its step
+    assert "flushed to zero" in result.output and "no comparison with the run started anew" in result.output
     assert squared(1e-20) == 0.0  # the process computes as the run does again
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_a_run_in_its_first_environment_is_timed_against_its_config_started_anew(tmp_path):
+    run = tmp_path / "run"
+    args = tiny_args(run, tmp_path / "data", steps=4)
+    assert invoke([*args, "--until", 2]).exit_code == 0
+    evaluator = open_run(run)
+    anew = started_anew(evaluator)
+    assert evaluator.learner.step == 2 and anew.step == 0 and anew.cfg == evaluator.cfg
+    assert not torch.equal(anew.model.encoder.fc.weight, evaluator.learner.model.encoder.fc.weight)
+    out = tmp_path / "bench.json"
+    result = invoke(["bench", "--run", run, "--steps", 1, "--threads", 1, "--json-out", out])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    times = data["median_step_s"]
+    assert data["trained_over_anew"] == pytest.approx(times["flushed"] / times["anew"])  # the run flushes
+    assert "started anew (step 0)" in result.output
