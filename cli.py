@@ -217,7 +217,8 @@ _FLAG_NAMES = {"overrides": "set", "branch_dir": "branch", "branch_step": "at"}
               help="Instead: object identity from mu(x) of the encoder saved at STEP, read by the probe's linear "
                    "classifier on 2,000 and on 20,000 training images, by k nearest neighbours and by an MLP, and "
                    "from the encoder's last hidden layer by the linear classifier: whether the code, the linear "
-                   "probe or the encoder's features limit the ID columns (docs/regime.md).")
+                   "probe or the encoder's features limit the ID columns; where objects move, position by the "
+                   "probe's regressor on mu and on that layer (docs/regime.md).")
 @click.option("--envs", "read_envs", callback=_check_sequence, default=None, metavar="ENVS",
               help="With --readouts: read only these environments of the run's sequence, e.g. moving_fashion "
                    "(each takes minutes of a CPU).")

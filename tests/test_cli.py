@@ -260,6 +260,9 @@ def test_eval_readouts_read_each_environments_identity_five_ways(sprite_run):
         assert (r["step"], r["probe_images"], r["more_images"]) == (20, 50, 200)
         assert all(0.0 <= r[key] <= 1.0 for key in ("linear", "linear_more", "neighbours", "mlp", "hidden_linear"))
         assert len(r["nats"]) == 24 and min(r["nats"]) >= 0.0 and sum(r["nats"]) > 0.0
+    for r in rows:  # position where the sprites move, within what a constant predictor scores (1/12)
+        moving = r["environment"].startswith("moving")
+        assert all((0.0 < r[key] < 0.1) if moving else r[key] is None for key in ("position_mu", "position_hidden"))
     text = invoke(["eval", str(run), "--readouts", "20"]).stdout
     assert "encoder saved at step 20" in text and "moving_shapes_b" in text
     fails_in_one_line(CliRunner().invoke(main, ["eval", str(run), "--readouts", "25"]), "no saved encoder of step 25")

@@ -6,7 +6,8 @@ import torch
 from vase.config import build_config
 from vase.evaluation import FrozenEncoder
 from vase.objective import kl_per_latent
-from vase.readouts import Readout, codes_and_nats, readout_accuracies, readouts_text
+from vase.probing import positions
+from vase.readouts import Readout, codes_and_nats, position_readouts, readout_accuracies, readouts_text
 
 
 def _rings(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -54,6 +55,38 @@ def test_the_text_names_each_environment_and_its_image_counts():
     assert "moving_fashion   | 61.2 (2,000)          | 63.4 (20,000) | 65.1       | 69.4       | 73.3" in text
     assert "moving_fashion   | total 12.1: z1 6.9, z3 5.1" in text  # z0's 0.05 nat is below the line
     assert readouts_text([]).startswith("no environment")
+    assert "position MSE" not in text  # nothing moves in this row
+
+
+def test_position_is_read_from_mu_and_from_the_hidden_layer_each_on_its_own():
+    """x and y linear in the hidden layer, absent from μ: the hidden read-out finds them, μ's scores
+    what a constant predictor does, Var(x)/2 + Var(y)/2 = 1/12 for uniform positions."""
+    rng = np.random.default_rng(4)
+    weights = rng.normal(size=(2, 6))
+
+    def sample(n):
+        xy = rng.uniform(0, 1, (n, 2))
+        hidden = np.column_stack([xy @ weights + 0.001 * rng.normal(size=(n, 6)), rng.normal(size=(n, 4))])
+        return rng.normal(size=(n, 5)), hidden, xy
+
+    codes, hidden, xy = sample(4000)
+    test_codes, test_hidden, test_xy = sample(800)
+    mse = position_readouts(codes, hidden, xy, test_codes, test_hidden, test_xy)
+    assert mse["position_hidden"] < 1e-4
+    assert abs(mse["position_mu"] - 1 / 12) < 0.01
+
+
+def test_positions_are_the_x_and_y_factors_of_the_indexed_items():
+    class Env:
+        factors = {"x": np.array([0.1, 0.2, 0.3]), "y": np.array([0.9, 0.8, 0.7]), "class": np.array([0, 1, 2])}
+
+    np.testing.assert_array_equal(positions(Env(), np.array([2, 0])), [[0.3, 0.7], [0.1, 0.9]])
+
+
+def test_the_text_gives_the_position_read_outs_in_units_of_1e_4():
+    row = Readout(60000, "moving_fashion", 2000, 20000, 0.6, 0.6, 0.6, 0.6, 0.7, [6.9], position_mu=0.00412,
+                  position_hidden=0.00051)
+    assert "  moving_fashion   | mu 41.2 | hidden layer 5.1" in readouts_text([row])
 
 
 class _Images:

@@ -48,6 +48,11 @@ ENCODE_CHUNK = 512
 Encode = Callable[[torch.Tensor], Any]
 
 
+def positions(env, indices: np.ndarray) -> np.ndarray:
+    """(len(indices), 2): the objects' (x, y) in [0, 1], the position regressor's targets."""
+    return np.stack([np.asarray(env.factors["x"])[indices], np.asarray(env.factors["y"])[indices]], axis=1)
+
+
 def draw_probe_sets(n_available: int, train_size: int, test_size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Disjoint probe-train and probe-held-out indices into an environment of ``n_available`` items.
 
@@ -208,8 +213,7 @@ class ProbeSuite:
                 codes_train, labels[train], codes_test, labels[test], seed=self.cfg.seed + i
             )
         if MSE in wanted:
-            xy = np.stack([np.asarray(env.factors["x"]), np.asarray(env.factors["y"])], axis=1)
-            out[wanted[MSE]] = position_mse(codes_train, xy[train], codes_test, xy[test])
+            out[wanted[MSE]] = position_mse(codes_train, positions(env, train), codes_test, positions(env, test))
         return out
 
     def _probe_specs(self) -> dict[str, dict]:

@@ -13,6 +13,10 @@ A fifth read-out fits the same linear classifier to the encoder's last hidden la
 ReLU outputs, from which μ and log σ² are one linear map) on the 20,000 images. Where it is well
 above the code's, the encoder's features hold identity that the capacity-bounded code leaves out;
 where it is as low, the features themselves lack it (docs/regime.md, "Units that stop firing").
+
+Where the objects move, Table 1's position regressor fits the same 20,000 images twice, from μ and
+from the last hidden layer: whether a lost position lies in the code alone or in the shared
+features beneath it (docs/regime.md, "MNIST's arrival at the extended schedule").
 """
 from __future__ import annotations
 
@@ -31,9 +35,9 @@ from vase.config import Config
 from vase.data.environments import load_environment
 from vase.errors import VaseError
 from vase.evaluation import FrozenEncoder, encoders_at
-from vase.metrics.probes import object_id_accuracy
+from vase.metrics.probes import object_id_accuracy, position_mse
 from vase.objective import kl_per_latent
-from vase.probing import ENCODE_CHUNK, draw_probe_sets
+from vase.probing import ENCODE_CHUNK, draw_probe_sets, positions
 
 MORE_IMAGES = 20_000  # [ours] ten times the probe's training set: what more data alone buys
 NEIGHBOURS = 15  # [ours]
@@ -56,6 +60,8 @@ class Readout:
     mlp: float
     hidden_linear: float  # the linear classifier on the encoder's last hidden layer, more images
     nats: list[float]  # mean KL of each latent on the held-out images
+    position_mu: float | None = None  # held-out MSE of Table 1's position regressor on μ, more images
+    position_hidden: float | None = None  # the same on the last hidden layer; None where nothing moves
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -76,6 +82,13 @@ def readout_accuracies(codes: np.ndarray, labels: np.ndarray, test_codes: np.nda
         "neighbours": score(make_pipeline(StandardScaler(), KNeighborsClassifier(NEIGHBOURS))),
         "mlp": score(make_pipeline(StandardScaler(), mlp)),
     }
+
+
+def position_readouts(codes: np.ndarray, hidden: np.ndarray, xy: np.ndarray, test_codes: np.ndarray,
+                      test_hidden: np.ndarray, test_xy: np.ndarray) -> dict[str, float]:
+    """Held-out MSE of Table 1's position regressor fitted to μ and to the last hidden layer."""
+    return {"position_mu": position_mse(codes, xy, test_codes, test_xy),
+            "position_hidden": position_mse(hidden, xy, test_hidden, test_xy)}
 
 
 def codes_and_nats(env, indices: np.ndarray, encode: FrozenEncoder) -> tuple[np.ndarray, np.ndarray, list[float]]:
@@ -119,8 +132,10 @@ def run_readouts(run_dir: Path, cfg: Config, step: int, device: torch.device | s
         labels, test_labels = np.asarray(train.factors["class"])[chosen], np.asarray(test.factors["class"])[held_out]
         accuracies = readout_accuracies(codes, labels, test_codes, test_labels, probe_images, cfg.probe.seed + i)
         hidden_linear = object_id_accuracy(hidden, labels, test_hidden, test_labels, cfg.probe.seed + i)
+        moving = {} if not test.moving else position_readouts(
+            codes, hidden, positions(train, chosen), test_codes, test_hidden, positions(test, held_out))
         rows.append(Readout(step, name, probe_images, len(chosen), **accuracies, hidden_linear=hidden_linear,
-                            nats=nats))
+                            nats=nats, **moving))
     return rows
 
 
@@ -142,6 +157,13 @@ def readouts_text(rows: list[Readout]) -> str:
         shown = sorted((n for n in range(len(r.nats)) if r.nats[n] > NATS_SHOWN), key=lambda n: -r.nats[n])
         lines.append(f"  {r.environment:<16} | total {sum(r.nats):.1f}: "
                      + ", ".join(f"z{n} {r.nats[n]:.1f}" for n in shown))
+    moving = [r for r in rows if r.position_mu is not None]
+    if moving:
+        lines.append("position MSE (1e-4) of the probe's regressor on the same training images, from mu and from the "
+                     "hidden layer:")
+    for r in moving:
+        lines.append(f"  {r.environment:<16} | mu {1e4 * r.position_mu:.1f} "
+                     f"| hidden layer {1e4 * r.position_hidden:.1f}")
     lines.append("where every read-out of mu stays low, the code, not the linear probe, limits Table 1's ID columns; "
                  "where the hidden layer's is low too, the encoder's features do")
     return "\n".join(lines)
