@@ -222,6 +222,10 @@ _FLAG_NAMES = {"overrides": "set", "branch_dir": "branch", "branch_step": "at"}
 @click.option("--envs", "read_envs", callback=_check_sequence, default=None, metavar="ENVS",
               help="With --readouts: read only these environments of the run's sequence, e.g. moving_fashion "
                    "(each takes minutes of a CPU).")
+@click.option("--cut-dark", "dark_at", type=int, default=None, metavar="STEP",
+              help="With --readouts: read with the fc layer's inputs cut from the last conv's channels that "
+                   "fired on none of the environment's held-out images under the encoder saved at this earlier "
+                   "STEP: whether units that woke since then carry what was lost (docs/regime.md).")
 @click.option("--classifier", is_flag=True,
               help="Instead: at the newest checkpoint, q_psi's mean q(s|x) on each environment's held-out "
                    "images and on dreams of each slot, the slot it names for each batch, and eq. 6's tests of "
@@ -253,8 +257,8 @@ _FLAG_NAMES = {"overrides": "set", "branch_dir": "branch", "branch_step": "at"}
               help="The code the probes read: mean, mu(x) of every latent; or sample, the paper's reading, "
                    "the masked posterior under the slot q_psi picks (docs/probes.md). Default: the run's own.")
 @_device_option()
-def evaluate(run_dir, as_json, steps, batches, own_slot, by_latent, readouts, read_envs, classifier, also, step, replay,
-             count, latents, mask_changes, alive, reading, device):
+def evaluate(run_dir, as_json, steps, batches, own_slot, by_latent, readouts, read_envs, dark_at, classifier, also,
+             step, replay, count, latents, mask_changes, alive, reading, device):
     """Recompute probes and metrics from a run's checkpoints and print them."""
     from vase.evaluation import evaluate_run, own_slot_errors_by_encoder, own_slot_text
     from vase.summary import summary_text
@@ -280,6 +284,8 @@ def evaluate(run_dir, as_json, steps, batches, own_slot, by_latent, readouts, re
             raise VaseError("--also goes with --classifier: it adds environments to q_psi's reading")
         if read_envs is not None and readouts is None:
             raise VaseError("--envs goes with --readouts STEP: it chooses the environments read out")
+        if dark_at is not None and readouts is None:
+            raise VaseError("--cut-dark goes with --readouts STEP: it cuts channels from that reading")
         if mask_changes:
             return _mask_changes(Path(run_dir), as_json)
         if alive is not None:
@@ -289,7 +295,7 @@ def evaluate(run_dir, as_json, steps, batches, own_slot, by_latent, readouts, re
             rows = alive_units_by_encoder(Path(run_dir), chosen, _resolve_device(device))
             return click.echo(json.dumps(rows, indent=2) if as_json else alive_units_text(rows))
         if readouts is not None:
-            return _readouts(Path(run_dir), readouts, read_envs, as_json, _resolve_device(device))
+            return _readouts(Path(run_dir), readouts, read_envs, dark_at, as_json, _resolve_device(device))
         if classifier:
             return _slot_picks(Path(run_dir), step, tuple(comma_list(also or "")), as_json, _resolve_device(device))
         if steps is not None:
@@ -354,12 +360,12 @@ def _replay(run_dir: Path, step: int, count: int, latents: str | None, as_json: 
     click.echo(json.dumps([row.as_dict() for row in rows], indent=2) if as_json else replay_text(rows))
 
 
-def _readouts(run_dir: Path, step: int, envs: str | None, as_json: bool, device) -> None:
+def _readouts(run_dir: Path, step: int, envs: str | None, dark_at: int | None, as_json: bool, device) -> None:
     from vase.readouts import readouts_text, run_readouts
 
     cfg = load_run_config(run_dir, trains=False)
     rows = run_readouts(run_dir, cfg, step, device, echo=lambda line: click.echo(line, err=True),
-                        envs=comma_list(envs) if envs else None)
+                        envs=comma_list(envs) if envs else None, dark_at=dark_at)
     click.echo(json.dumps([row.as_dict() for row in rows], indent=2) if as_json else readouts_text(rows))
 
 

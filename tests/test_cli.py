@@ -271,6 +271,15 @@ def test_eval_readouts_read_each_environments_identity_five_ways(sprite_run):
     fails_in_one_line(CliRunner().invoke(main, ["eval", str(run), "--readouts", "20", "--envs", "mnist"]),
                       "mnist not in the run's sequence")
     fails_in_one_line(CliRunner().invoke(main, ["eval", str(run), "--envs", "shapes_b"]), "--envs goes with --readouts")
+    # cutting the channels dark under the same encoder cuts nothing that fires: the same read-outs
+    same = json.loads(invoke(["eval", str(run), "--readouts", "20", "--envs", "shapes_b", "--cut-dark", "20",
+                              "--json"]).stdout)[0]
+    assert same.pop("dark_at") == 20 and 0 <= same.pop("cut_channels") <= 32
+    assert same == {k: v for k, v in rows[1].items() if k not in ("dark_at", "cut_channels")}
+    text = invoke(["eval", str(run), "--readouts", "20", "--envs", "shapes_b", "--cut-dark", "10"]).stdout
+    assert "channels dark at step 10" in text and "shapes_b" in text
+    fails_in_one_line(CliRunner().invoke(main, ["eval", str(run), "--readouts", "20", "--cut-dark", "25"]),
+                      "no saved encoder of step 25")
     fails_in_one_line(CliRunner().invoke(main, ["eval", str(run), "--readouts", "20", "--classifier"]),
                       "separate readings")
 

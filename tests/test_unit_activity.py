@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from click.testing import CliRunner
 from test_inspect import invoke
@@ -11,7 +12,7 @@ from test_inspect import invoke
 from cli import main
 from vase.config import build_config
 from vase.networks import Encoder
-from vase.unit_activity import alive_units, layer_widths
+from vase.unit_activity import alive_units, firing, layer_widths, without_channels
 
 SMALL = ["model.channels=4,4,6,6", "model.hidden=8"]
 
@@ -81,6 +82,62 @@ def test_a_unit_is_alive_if_it_fires_on_one_image_and_dead_at_exactly_zero():
     assert alive_units(net, x)[-1] == 8
 
 
+def last_conv(net: Encoder) -> torch.nn.Conv2d:
+    return [m for m in net.convs if isinstance(m, torch.nn.Conv2d)][-1]
+
+
+def test_firing_marks_each_dead_unit_of_each_layer():
+    net = encoder()
+    kill(last_conv(net), [0, 4])
+    kill(net.fc, [2])
+    fired = firing(net, images())
+    assert [f.tolist() for f in fired[3:]] == [[False, True, True, True, False, True],
+                                              [True, True, False, True, True, True, True, True]]
+    assert all(f.all() for f in fired[:3])
+
+
+def test_cutting_channels_is_zeroing_their_outputs_before_the_fc_layer():
+    """Against the encoder's layers run by hand with the chosen channels of the last conv's ReLU output
+    zeroed: the same hidden layer and code. Fails if a channel's block of fc inputs is misplaced (the
+    conv output is flattened channel by channel)."""
+    torch.manual_seed(3)
+    net = Encoder(build_config("cpu", SMALL).model)
+    x = images()
+    chosen = torch.tensor([False, True, False, False, True, False])
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    cut_net = Encoder(build_config("cpu", SMALL).model)
+    cut_net.load_state_dict(without_channels(state, chosen))
+    torch.testing.assert_close(state["fc.weight"], net.state_dict()["fc.weight"])  # the given weights untouched
+
+    with torch.no_grad():
+        features = torch.nn.Sequential(*net.convs)(x) * (~chosen).float().view(1, -1, 1, 1)
+        hidden = net.act(net.fc(features.flatten(1)))
+        mu = net.head(hidden).chunk(2, dim=1)[0]
+        got = cut_net(x)
+        assert not torch.allclose(net(x).hidden, got.hidden)  # the chosen channels did carry something
+    torch.testing.assert_close(got.hidden, hidden)
+    torch.testing.assert_close(got.mu, mu)
+
+
+def test_cutting_channels_that_never_fire_changes_nothing():
+    net = encoder()
+    kill(last_conv(net), [1, 3])
+    x = images()
+    dark = ~firing(net, x)[-2]
+    assert dark.tolist() == [False, True, False, True, False, False]
+    cut_net = encoder()
+    cut_net.load_state_dict(without_channels(net.state_dict(), dark))
+    with torch.no_grad():
+        torch.testing.assert_close(cut_net(x).mu, net(x).mu)
+    assert (cut_net.fc.weight.view(8, 6, -1)[:, [1, 3]] == 0).all()
+    assert (cut_net.fc.weight.view(8, 6, -1)[:, [0, 2, 4, 5]] != 0).all()
+
+
+def test_cutting_refuses_a_channel_count_that_does_not_divide_the_fc_inputs():
+    with pytest.raises(ValueError, match="not a whole number per channel"):
+        without_channels({"fc.weight": torch.ones(8, 96)}, torch.zeros(5, dtype=torch.bool))
+
+
 def test_eval_reads_every_saved_encoder_on_every_environment(tiny_run):
     result = invoke(["eval", tiny_run, "--alive-units", "all", "--json"])
     assert result.exit_code == 0, result.output
@@ -99,3 +156,5 @@ def test_eval_names_a_step_without_a_saved_encoder_and_refuses_two_readings(tiny
     assert result.exit_code != 0 and "no saved encoder of step 3" in result.output
     result = CliRunner().invoke(main, ["eval", str(tiny_run), "--alive-units", "all", "--mask-changes"])
     assert result.exit_code != 0 and "give one at a time" in result.output
+    result = CliRunner().invoke(main, ["eval", str(tiny_run), "--alive-units", "all", "--cut-dark", "2"])
+    assert result.exit_code != 0 and "--cut-dark goes with --readouts" in result.output

@@ -17,6 +17,10 @@ where it is as low, the features themselves lack it (docs/regime.md, "Units that
 Where the objects move, Table 1's position regressor fits the same 20,000 images twice, from μ and
 from the last hidden layer: whether a lost position lies in the code alone or in the shared
 features beneath it (docs/regime.md, "MNIST's arrival at the extended schedule").
+
+With `dark_at` (`--cut-dark STEP`), every read-out is taken with the fc layer's inputs cut from the
+last conv's channels that fired on none of the environment's held-out images under the encoder saved
+at that earlier step: whether units that woke since then carry what the code and features lost.
 """
 from __future__ import annotations
 
@@ -34,10 +38,11 @@ from vase.checkpoint import load_weights
 from vase.config import Config
 from vase.data.environments import load_environment
 from vase.errors import VaseError
-from vase.evaluation import FrozenEncoder, encoders_at
+from vase.evaluation import FrozenEncoder, encoders_at, held_out_images
 from vase.metrics.probes import object_id_accuracy, position_mse
 from vase.objective import kl_per_latent
 from vase.probing import ENCODE_CHUNK, draw_probe_sets, positions
+from vase.unit_activity import firing, without_channels
 
 MORE_IMAGES = 20_000  # [ours] ten times the probe's training set: what more data alone buys
 NEIGHBOURS = 15  # [ours]
@@ -62,6 +67,8 @@ class Readout:
     nats: list[float]  # mean KL of each latent on the held-out images
     position_mu: float | None = None  # held-out MSE of Table 1's position regressor on μ, more images
     position_hidden: float | None = None  # the same on the last hidden layer; None where nothing moves
+    dark_at: int | None = None  # with --cut-dark: the step whose dark last-conv channels were cut
+    cut_channels: int | None = None  # how many channels that was
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -104,16 +111,19 @@ def codes_and_nats(env, indices: np.ndarray, encode: FrozenEncoder) -> tuple[np.
 
 
 def run_readouts(run_dir: Path, cfg: Config, step: int, device: torch.device | str = "cpu",
-                 echo=print, envs: list[str] | None = None) -> list[Readout]:
+                 echo=print, envs: list[str] | None = None, dark_at: int | None = None) -> list[Readout]:
     """The read-outs of every environment of the run's sequence with a class factor (of `envs` alone,
     if given), under the encoder saved at `step`; the test images are the probe's held-out set of
-    that environment."""
+    that environment. With `dark_at`, under that encoder less the last conv's channels that were
+    dark on the environment's held-out images under the encoder saved at `dark_at`."""
     foreign = [name for name in envs or [] if name not in cfg.data.sequence]
     if foreign:
         raise VaseError(f"{', '.join(foreign)} not in the run's sequence ({','.join(cfg.data.sequence)}): "
                         "--envs chooses among its environments")
-    path = encoders_at(run_dir, [step], cfg.probe.every)[step]
-    encode = FrozenEncoder(cfg.model, device).load(load_weights(path))
+    paths = encoders_at(run_dir, [step] if dark_at is None else [step, dark_at], cfg.probe.every)
+    state = load_weights(paths[step])
+    encode = FrozenEncoder(cfg.model, device).load(state)
+    earlier = None if dark_at is None else FrozenEncoder(cfg.model, device).load(load_weights(paths[dark_at]))
     rows, seen = [], set()
     for i, name in enumerate(cfg.data.sequence):
         if name in seen or (envs and name not in envs):  # a returning environment: the same data and encoder
@@ -123,6 +133,11 @@ def run_readouts(run_dir: Path, cfg: Config, step: int, device: torch.device | s
         if "class" not in test.factors:
             continue
         echo(f"reading {name} ...")
+        cut = {}
+        if earlier is not None:
+            dark = ~firing(earlier.net, held_out_images(test).to(device))[-2]
+            encode.load(without_channels(state, dark))
+            cut = {"dark_at": dark_at, "cut_channels": int(dark.sum())}
         train = load_environment(name, "train", cfg.data, progress=False)
         _, held_out = draw_probe_sets(len(test), cfg.probe.train_size, cfg.probe.test_size, cfg.probe.seed + i)
         chosen = np.random.default_rng(cfg.probe.seed + i).permutation(len(train))[:MORE_IMAGES]
@@ -135,7 +150,7 @@ def run_readouts(run_dir: Path, cfg: Config, step: int, device: torch.device | s
         moving = {} if not test.moving else position_readouts(
             codes, hidden, positions(train, chosen), test_codes, test_hidden, positions(test, held_out))
         rows.append(Readout(step, name, probe_images, len(chosen), **accuracies, hidden_linear=hidden_linear,
-                            nats=nats, **moving))
+                            nats=nats, **moving, **cut))
     return rows
 
 
@@ -144,6 +159,10 @@ def readouts_text(rows: list[Readout]) -> str:
         return "no environment of the sequence has a class factor: nothing to read out"
     lines = [f"object identity from mu(x) of the encoder saved at step {rows[0].step}, scored on each probe's "
              "held-out images (accuracy, %; training images in brackets):",
+             *([] if rows[0].dark_at is None else
+               [f"with the fc layer's inputs cut from the last conv's channels dark at step {rows[0].dark_at} "
+                "on each environment's held-out images (" + ", ".join(f"{r.environment} {r.cut_channels}"
+                                                                      for r in rows) + " channels)"]),
              "  environment      | linear (as the probe) | linear (more) | kNN (more) | MLP (more) "
              "| hidden layer, linear (more)"]
     for r in rows:

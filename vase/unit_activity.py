@@ -20,19 +20,37 @@ from vase.errors import VaseError
 from vase.networks import Encoder
 
 
-def alive_units(encoder: Encoder, x: torch.Tensor) -> list[int]:
-    """Per hidden layer of the encoder, the convs' in order and then the fc layer's: the units whose
-    output is positive somewhere on the images x."""
-    counts = []
+def firing(encoder: Encoder, x: torch.Tensor) -> list[torch.Tensor]:
+    """Per hidden layer of the encoder, the convs' in order and then the fc layer's: a boolean per
+    unit, whether its output is positive somewhere on the images x."""
+    fired = []
     with torch.no_grad():
         h = x
         for layer in encoder.convs:
             h = layer(h)
             if isinstance(layer, (nn.ReLU, nn.LeakyReLU)):
-                counts.append(int((h.amax(dim=(0, 2, 3)) > 0).sum()))
+                fired.append(h.amax(dim=(0, 2, 3)) > 0)
         hidden = encoder.act(encoder.fc(h.flatten(1)))
-        counts.append(int((hidden.amax(0) > 0).sum()))
-    return counts
+        fired.append(hidden.amax(0) > 0)
+    return fired
+
+
+def alive_units(encoder: Encoder, x: torch.Tensor) -> list[int]:
+    """Per hidden layer (as `firing`), the number of units that fire on the images x."""
+    return [int(units.sum()) for units in firing(encoder, x)]
+
+
+def without_channels(state: dict, channels: torch.Tensor) -> dict:
+    """Encoder weights `state` with the fc layer's inputs from the last conv's `channels` (a boolean
+    per channel) cut: the fc layer then reads those channels as if they never fired. The conv output
+    is flattened channel by channel, so each channel owns a block of consecutive fc inputs."""
+    weight = state["fc.weight"]
+    per_channel, rest = divmod(weight.shape[1], channels.numel())
+    if rest:
+        raise ValueError(f"fc reads {weight.shape[1]} inputs, not a whole number per channel of {channels.numel()}")
+    cut = weight.clone()
+    cut[:, channels.to(weight.device).repeat_interleave(per_channel)] = 0.0
+    return {**state, "fc.weight": cut}
 
 
 def layer_widths(encoder: Encoder) -> list[int]:
