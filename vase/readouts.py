@@ -21,6 +21,8 @@ features beneath it (docs/regime.md, "MNIST's arrival at the extended schedule")
 With `dark_at` (`--cut-dark STEP`), every read-out is taken with the fc layer's inputs cut from the
 last conv's channels that fired on none of the environment's held-out images under the encoder saved
 at that earlier step: whether units that woke since then carry what the code and features lost.
+Under a leaky ReLU (model.negative_slope > 0) such a channel passed its negative outputs on even
+while it did not fire; the cut removes those too.
 """
 from __future__ import annotations
 
