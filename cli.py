@@ -9,7 +9,15 @@ from pathlib import Path
 
 import click
 
-from vase.config import build_config, load_run_config, option_overrides, preset_names, schedule_names
+from vase.config import (
+    build_config,
+    config_json_with_kept,
+    load_run_config,
+    option_overrides,
+    preset_names,
+    resume_overrides,
+    schedule_names,
+)
 from vase.config_sections import PROBE_READINGS
 from vase.config_values import comma_list
 from vase.errors import VaseError
@@ -96,7 +104,8 @@ def main(ctx):
               help="Output directory (default: runs/<time>-<ablation>-<mode>-seed<seed>).")
 @click.option("--resume", "resume_dir", type=click.Path(exists=True, file_okay=False), default=None,
               help="Continue the run in RUN_DIR from its newest good checkpoint, with its own config "
-                   "(only --data-root, --download and --no-progress may be given with it).")
+                   "(only --data-root, --download, --no-progress and --set train.keep_every=N may be given "
+                   "with it).")
 @click.option("--branch", "branch_dir", type=click.Path(exists=True, file_okay=False), default=None,
               help="Start a new run from RUN_DIR's checkpoint of step --at, with RUN_DIR's config and any "
                    "--set or --steps that leave the steps before it alone (docs/usage.md).")
@@ -128,6 +137,7 @@ def train(preset, sequence, steps, ablation, entangled, seed, data_root, downloa
         if resume_dir:
             _refuse_with_resume(click.get_current_context())
             cfg = load_run_config(path, data_root, download)
+            kept_changed = resume_overrides(cfg, list(overrides))
         elif branch_dir:
             _refuse_with_branch(click.get_current_context(), branch_step)
             sets = list(overrides) + option_overrides(sequence, steps)
@@ -145,6 +155,8 @@ def train(preset, sequence, steps, ablation, entangled, seed, data_root, downloa
         trainer = Trainer(cfg, path, progress=not no_progress, device=_resolve_device(device))
         fill = (lambda target: write_branch(branch, target)) if branch_dir else None
         prepare_run_dir(path, cfg, resume=bool(resume_dir), overwrite=overwrite, fill=fill)
+        if resume_dir and kept_changed:
+            write_atomic(path / "config.json", config_json_with_kept(path, cfg))
         results = trainer.train(resume=bool(resume_dir or branch_dir), until=until)
         if results is None:
             click.echo(f"paused at step {trainer.learner.step:,} of {cfg.data.total_steps():,}; "
@@ -169,7 +181,7 @@ def _interrupt(signum, frame):
 
 # Options that would be silently ignored by --resume (the run keeps its own config).
 _NOT_WITH_RESUME = ("preset", "schedule", "sequence", "steps", "ablation", "entangled", "seed", "run_dir", "overwrite",
-                    "overrides", "branch_dir", "branch_step")
+                    "branch_dir", "branch_step")
 
 
 # A branch continues another run's state: what made that state cannot be chosen again.

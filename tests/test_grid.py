@@ -130,6 +130,12 @@ def test_plan_tells_new_resumed_and_finished_runs_apart_and_refuses_foreign_ones
     assert sum(s == NEW for s in status.values()) == 4
     assert train_arguments(spec, partial, RESUME)[:3] == ["train", "--resume", str(partial.run_dir)]
 
+    # Which checkpoints are kept is not what is trained: the grid resumes the run and keeps them from now on.
+    keeping = replace(spec, overrides=spec.overrides + ("train.keep_every=2000",))
+    assert {run.name: s for run, s in plan(keeping)}[partial.name] == RESUME
+    assert train_arguments(keeping, partial, RESUME)[-2:] == ["--set", "train.keep_every=2000"]
+    assert "--set" not in train_arguments(spec, partial, RESUME)
+
     other = replace(spec, steps="15")  # the same folders, other settings: refused, naming the difference
     with pytest.raises(VaseError, match=r"other settings \(data.steps_per_env: \[10\] -> \[15\]\)"):
         plan(other)

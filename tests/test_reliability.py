@@ -172,8 +172,17 @@ def test_existing_run_dir_is_refused(tmp_path):
 
 
 def test_resume_refuses_options_it_would_ignore(run_copy):
-    result = CliRunner().invoke(main, ["train", "--resume", str(run_copy), "--set", "train.lr=1", "--seed", "3"])
-    fails_in_one_line(result, "--resume continues a run with its own config.json", "--seed", "--set")
+    saved = (run_copy / "config.json").read_text()
+    result = CliRunner().invoke(main, ["train", "--resume", str(run_copy), "--set", "train.keep_every=2",
+                                       "--seed", "3"])
+    fails_in_one_line(result, "--resume continues a run with its own config.json", "drop --seed")
+    # Of the settings, only those that say which checkpoints are kept may change on a resume.
+    result = CliRunner().invoke(main, ["train", "--resume", str(run_copy), "--set", "train.keep_every=2",
+                                       "--set", "train.lr=1"])
+    fails_in_one_line(result, "only train.keep_every may be set again, not train.lr")
+    fails_in_one_line(CliRunner().invoke(main, ["train", "--resume", str(run_copy), "--set", "train.keep_every=-1"]),
+                      "train.keep_every must be >= 0")
+    assert (run_copy / "config.json").read_text() == saved
 
 
 def test_resume_of_a_directory_that_is_not_a_run(tmp_path):
@@ -618,6 +627,26 @@ def test_train_keep_every_keeps_those_checkpoints_for_good_and_a_branch_from_one
     assert result.exit_code == 0, result.output
     assert checkpoint.kept_steps(branch) == [4, 8, 10, 12, 16, 20]
     assert comparable(read_results(branch)) == comparable(read_results(straight))
+
+
+def test_a_resume_may_start_keeping_checkpoints_and_trains_on_as_the_run_did(tmp_path, sprite_data):
+    """`--resume RUN --set train.keep_every=N`: from the resume on, every N steps' checkpoint stays for
+    good, config.json records N and nothing else changes, and the training is the straight run's."""
+    def args(run: Path) -> list[str]:
+        return (tiny_args(run, sprite_data, steps=10, train__checkpoint_every=1000)
+                + ["--sequence", "moving_shapes_a,shapes_b"])
+
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    assert CliRunner().invoke(main, args(straight)).exit_code == 0
+    assert CliRunner().invoke(main, args(run) + ["--until", "9"]).exit_code == 0
+    before = json.loads((run / "config.json").read_text())
+    result = CliRunner().invoke(main, ["train", "--resume", str(run), "--set", "train.keep_every=4", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert checkpoint.kept_steps(run) == [10, 12, 16, 20]  # the stage ends, and every 4 steps after the resume
+    after = json.loads((run / "config.json").read_text())
+    assert after["train"].pop("keep_every") == 4 and before["train"].pop("keep_every") == 0
+    assert after == before
+    assert comparable(read_results(run)) == comparable(read_results(straight))
 
 
 def test_a_second_ctrl_c_interrupts_at_once_unless_it_is_the_grids_echo_of_the_first(monkeypatch):

@@ -35,6 +35,10 @@ PRESET_DIR = Path(__file__).parent / "presets"
 # Schedules set the lengths of a run together: steps, the capacity ramp, tau, the probe interval and
 # the new-slot settings (docs/regime.md, "The regime").
 SCHEDULE_DIR = Path(__file__).parent / "schedules"
+# Settings that say which checkpoints a run keeps, not what it trains: a resume may change them
+# (`vase train --resume RUN --set train.keep_every=2000`), so that a run already under way keeps
+# checkpoints to replay or branch from (docs/usage.md, "What a run writes").
+KEPT_NOT_TRAINED = frozenset({"train.keep_every"})
 
 
 @dataclass
@@ -193,6 +197,33 @@ def option_overrides(sequence: str | None = None, steps: str | None = None, enta
     if download:
         sets.append("data.download=true")
     return sets
+
+
+def resume_overrides(cfg: Config, overrides: list[str]) -> list[str]:
+    """Apply to a resumed run's config the overrides a resume may make (KEPT_NOT_TRAINED), and
+    return those that changed it; refuse any other setting, naming the ones it may."""
+    changed = []
+    for assignment in overrides:
+        name = assignment.split("=", 1)[0].strip()
+        if name not in KEPT_NOT_TRAINED:
+            raise ConfigError(f"--resume continues a run with its own config.json; of its settings only "
+                              f"{', '.join(sorted(KEPT_NOT_TRAINED))} may be set again, not {name}")
+        before = cfg.to_dict()
+        cfg.override(assignment)
+        if cfg.to_dict() != before:
+            changed.append(assignment)
+    cfg.validate()
+    return changed
+
+
+def config_json_with_kept(run_dir: Path, cfg: Config) -> bytes:
+    """The run's config.json with cfg's KEPT_NOT_TRAINED settings, the rest as saved (a resume's
+    data root, say, is where the data is now, not part of the run)."""
+    saved = json.loads((Path(run_dir) / "config.json").read_text())
+    for name in sorted(KEPT_NOT_TRAINED):
+        section, key = name.split(".")
+        saved[section][key] = getattr(getattr(cfg, section), key)
+    return json.dumps(saved, indent=2, sort_keys=True).encode()
 
 
 def load_run_config(run_dir: Path, data_root: str | None = None, download: bool = False,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vase.checkpoint import kept_steps, write_atomic
-from vase.config import CONFIG_VERSION, Config, build_config, load_run_config, option_overrides
+from vase.config import CONFIG_VERSION, KEPT_NOT_TRAINED, Config, build_config, load_run_config, option_overrides
 from vase.config_sections import CHOICES
 from vase.config_values import comma_list
 from vase.errors import ConfigError, VaseError
@@ -170,9 +170,9 @@ def _field_differences(a: dict, b: dict, ignored: set[str]) -> list[tuple[str, o
 
 
 def config_differences(saved: Config, wanted: Config) -> list[str]:
-    """'section.field: saved -> wanted' for every setting that differs (where things live, and
-    settings neither run's training reads, excepted)."""
-    ignored = WHERE_NOT_WHAT | (saved.inert_settings() & wanted.inert_settings())
+    """'section.field: saved -> wanted' for every setting that differs (where things live, which
+    checkpoints are kept, and settings neither run's training reads, excepted)."""
+    ignored = WHERE_NOT_WHAT | KEPT_NOT_TRAINED | (saved.inert_settings() & wanted.inert_settings())
     return [f"{name}: {was!r} -> {now!r}" for name, was, now in
             _field_differences(saved.to_dict(), wanted.to_dict(), ignored)]
 
@@ -258,6 +258,10 @@ def train_arguments(spec: GridSpec, run: GridRun, status: str) -> list[str]:
         args = ["train", "--resume", str(run.run_dir), "--no-progress", "--device", spec.device]
         if spec.data_root:
             args += ["--data-root", str(Path(spec.data_root).absolute())]
+        saved, wanted = load_run_config(run.run_dir).to_dict(), spec.config(run).to_dict()
+        for name, _, value in _field_differences(saved, wanted, set()):
+            if name in KEPT_NOT_TRAINED:  # the grid's command says which checkpoints its runs keep from now on
+                args += ["--set", f"{name}={_setting_text(value)}"]
         return args
     args = ["train", "--preset", spec.preset, f"--ablation={run.row}", "--run-dir", str(run.run_dir), "--no-progress",
             "--device", spec.device, "--schedule", spec.schedule]
