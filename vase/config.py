@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from vase.config_checks import problems
+from vase.config_checks import problems, setting
 from vase.config_migrations import migrate
 from vase.config_sections import (
     DataConfig,
@@ -199,30 +199,28 @@ def option_overrides(sequence: str | None = None, steps: str | None = None, enta
     return sets
 
 
-def resume_overrides(cfg: Config, overrides: list[str]) -> list[str]:
-    """Apply to a resumed run's config the overrides a resume may make (KEPT_NOT_TRAINED), and
-    return those that changed it; refuse any other setting, naming the ones it may."""
-    changed = []
+def resume_overrides(cfg: Config, overrides: list[str]) -> bool:
+    """Apply to a resumed run's config the overrides a resume may make (KEPT_NOT_TRAINED), and say
+    whether they changed it; refuse any other setting, naming the ones it may."""
+    kept = sorted(KEPT_NOT_TRAINED)
+    before = [setting(cfg, name) for name in kept]
     for assignment in overrides:
         name = assignment.split("=", 1)[0].strip()
         if name not in KEPT_NOT_TRAINED:
             raise ConfigError(f"--resume continues a run with its own config.json; of its settings only "
-                              f"{', '.join(sorted(KEPT_NOT_TRAINED))} may be set again, not {name}")
-        before = cfg.to_dict()
+                              f"{', '.join(kept)} may be set again, not {name}")
         cfg.override(assignment)
-        if cfg.to_dict() != before:
-            changed.append(assignment)
     cfg.validate()
-    return changed
+    return [setting(cfg, name) for name in kept] != before
 
 
 def config_json_with_kept(run_dir: Path, cfg: Config) -> bytes:
     """The run's config.json with cfg's KEPT_NOT_TRAINED settings, the rest as saved (a resume's
     data root, say, is where the data is now, not part of the run)."""
     saved = json.loads((Path(run_dir) / "config.json").read_text())
-    for name in sorted(KEPT_NOT_TRAINED):
+    for name in KEPT_NOT_TRAINED:
         section, key = name.split(".")
-        saved[section][key] = getattr(getattr(cfg, section), key)
+        saved[section][key] = setting(cfg, name)
     return json.dumps(saved, indent=2, sort_keys=True).encode()
 
 

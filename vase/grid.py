@@ -18,6 +18,7 @@ from pathlib import Path
 
 from vase.checkpoint import kept_steps, write_atomic
 from vase.config import CONFIG_VERSION, KEPT_NOT_TRAINED, Config, build_config, load_run_config, option_overrides
+from vase.config_checks import setting as setting_of
 from vase.config_sections import CHOICES
 from vase.config_values import comma_list
 from vase.errors import ConfigError, VaseError
@@ -258,10 +259,10 @@ def train_arguments(spec: GridSpec, run: GridRun, status: str) -> list[str]:
         args = ["train", "--resume", str(run.run_dir), "--no-progress", "--device", spec.device]
         if spec.data_root:
             args += ["--data-root", str(Path(spec.data_root).absolute())]
-        saved, wanted = load_run_config(run.run_dir).to_dict(), spec.config(run).to_dict()
-        for name, _, value in _field_differences(saved, wanted, set()):
-            if name in KEPT_NOT_TRAINED:  # the grid's command says which checkpoints its runs keep from now on
-                args += ["--set", f"{name}={_setting_text(value)}"]
+        saved, wanted = load_run_config(run.run_dir), spec.config(run)
+        for name in sorted(KEPT_NOT_TRAINED):  # the grid's command says which checkpoints its runs keep from now on
+            if setting_of(saved, name) != setting_of(wanted, name):
+                args += ["--set", f"{name}={_setting_text(setting_of(wanted, name))}"]
         return args
     args = ["train", "--preset", spec.preset, f"--ablation={run.row}", "--run-dir", str(run.run_dir), "--no-progress",
             "--device", spec.device, "--schedule", spec.schedule]
