@@ -18,7 +18,7 @@ from vase.config import (
     resume_overrides,
     schedule_names,
 )
-from vase.config_sections import PROBE_READINGS
+from vase.config_sections import CHOICES, PROBE_READINGS
 from vase.config_values import comma_list
 from vase.errors import VaseError
 
@@ -258,6 +258,12 @@ _FLAG_NAMES = {"overrides": "set", "branch_dir": "branch", "branch_step": "at"}
 @click.option("--latents", default=None, metavar="LIST",
               help="With --replay: show alpha of these latents, e.g. 1,8,16 (default: each batch's 3 most "
                    "atypical).")
+@click.option("--turn-on", "turned_on", default=None, metavar="SLOT:LATENT",
+              help="With --replay: first set this latent on in this slot, as eq. 5 turns one on, e.g. 1:15: "
+                   "what a flip costs each environment (docs/regime.md).")
+@click.option("--capacity-form", "capacity_form", type=click.Choice(CHOICES["objective.capacity_form"]),
+              default=None, help="With --replay: step on under this form of eq. 8's capacity term "
+                                 "(default: the run's).")
 @click.option("--mask-changes", "mask_changes", is_flag=True,
               help="Instead: every change of a slot's mask (eq. 5) between two of its logged steps, and each "
                    "slot's last mask, from the run's TensorBoard: a flip in a settled slot (docs/regime.md).")
@@ -270,7 +276,7 @@ _FLAG_NAMES = {"overrides": "set", "branch_dir": "branch", "branch_step": "at"}
                    "the masked posterior under the slot q_psi picks (docs/probes.md). Default: the run's own.")
 @_device_option()
 def evaluate(run_dir, as_json, steps, batches, own_slot, by_latent, readouts, read_envs, dark_at, classifier, also,
-             step, replay, count, latents, mask_changes, alive, reading, device):
+             step, replay, count, latents, turned_on, capacity_form, mask_changes, alive, reading, device):
     """Recompute probes and metrics from a run's checkpoints and print them."""
     from vase.evaluation import evaluate_run, own_slot_errors_by_encoder, own_slot_text
     from vase.summary import summary_text
@@ -283,10 +289,11 @@ def evaluate(run_dir, as_json, steps, batches, own_slot, by_latent, readouts, re
         if len(given) > 1:
             raise VaseError(f"{' and '.join(given)} are separate readings: give one at a time")
         count_given = click.get_current_context().get_parameter_source("count") != click.core.ParameterSource.DEFAULT
-        if replay is None and (latents is not None or count_given):
-            raise VaseError("--count and --latents go with --replay STEP")
+        if replay is None and (latents is not None or count_given or turned_on or capacity_form):
+            raise VaseError("--count, --latents, --turn-on and --capacity-form go with --replay STEP")
         if replay is not None:
-            return _replay(Path(run_dir), replay, count, latents, as_json, _resolve_device(device))
+            return _replay(Path(run_dir), replay, count, latents, turned_on, capacity_form, as_json,
+                           _resolve_device(device))
         if by_latent and own_slot is None:
             raise VaseError("--by-latent goes with --own-slot STEPS: it splits that reading over the latents")
         if step is not None and not (classifier or own_slot is not None):
@@ -364,12 +371,19 @@ def _slot_picks(run_dir: Path, step: int | None, also: tuple[str, ...], as_json:
     click.echo(slot_picks_text(picks, learner.step, learner.inference.current) + "\n\n" + slot_tests_text(tests))
 
 
-def _replay(run_dir: Path, step: int, count: int, latents: str | None, as_json: bool, device) -> None:
+def _replay(run_dir: Path, step: int, count: int, latents: str | None, turned_on: str | None,
+            capacity_form: str | None, as_json: bool, device) -> None:
     from vase.replay import replay, replay_text
 
     shown = _integers("--latents", latents, "latents", "1,8,16") if latents is not None else None
-    rows = replay(run_dir, step, count, shown, device=device)
-    click.echo(json.dumps([row.as_dict() for row in rows], indent=2) if as_json else replay_text(rows))
+    flip = None
+    if turned_on is not None:
+        parts = turned_on.split(":")
+        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+            raise VaseError(f"--turn-on {turned_on}: give SLOT:LATENT, e.g. 1:15")
+        flip = (int(parts[0]), int(parts[1]))
+    result = replay(run_dir, step, count, shown, device=device, turned_on=flip, capacity_form=capacity_form)
+    click.echo(json.dumps(result.as_dict(), indent=2) if as_json else replay_text(result))
 
 
 def _readouts(run_dir: Path, step: int, envs: str | None, dark_at: int | None, as_json: bool, device) -> None:
