@@ -154,8 +154,11 @@ def test_a_latent_turned_on_adds_its_kl_to_eq_3_at_once(kept):
     from vase.objective import kl_per_latent
 
     step, slot, latent = a_masked_latent(kept)
-    as_run = replay(kept, step, 1).steps[0]
+    as_run_replay = replay(kept, step, 1)
+    as_run = as_run_replay.steps[0]
     flipped = replay(kept, step, 1, turned_on=(slot, latent))
+    # "before" is the run's own state, read before the flip; the flip's decoding counts in "after".
+    assert [r["before"] for r in flipped.own_slot] == [r["before"] for r in as_run_replay.own_slot]
     assert flipped.steps[0].env == slot and flipped.turned_on == (slot, latent)
     run = open_run(kept, step)
     x = run.stream.batch(step, run.learner.generator)

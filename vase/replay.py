@@ -136,12 +136,12 @@ def replay(run_dir: Path, step: int, count: int, latents: list[int] | None = Non
         raise VaseError(f"--latents {','.join(map(str, bad))}: the run has latents 0-{n_latents - 1}")
     if step >= stream.total_steps:
         raise VaseError(f"--replay {step}: the run's sequence ends at step {stream.total_steps}")
+    before = own_slot_errors(run)  # the run's own state: the cost of a flip includes its decoding
     if turned_on is not None:
         turn_on(run, *turned_on)
     run_form = learner.objective.capacity_form
     if capacity_form is not None:
         learner.objective = dataclasses.replace(learner.objective, capacity_form=capacity_form)
-    before = own_slot_errors(run)
     rows = []
     for t in range(step, min(step + count, stream.total_steps)):
         masks = learner.slots.stack("mask").cpu()
