@@ -168,7 +168,7 @@ def test_a_latent_turned_on_adds_its_kl_to_eq_3_at_once(kept):
     assert added > 0.01  # the case can fail: the latent carries KL on this batch
     assert flipped.steps[0].kl == pytest.approx(as_run.kl + added, rel=1e-4)
     assert flipped.steps[0].capacity == as_run.capacity
-    assert flipped.latent_at_end() == (latent not in flipped.steps[0].mask_off)
+    assert flipped.latent_on_at_end == (latent not in flipped.steps[0].mask_off)
     on = int(slot_masks(kept, step)[slot].nonzero()[0])
     with pytest.raises(VaseError, match=f"z{on} is already on in slot {slot} at step {step}"):
         replay(kept, step, 1, turned_on=(slot, on))

@@ -10,8 +10,8 @@ turns on in a settled slot adds its KL to eq. 3's at once (docs/regime.md, "The 
 far"). Nothing is written: the run's folder is read, never changed.
 
 The replay can also change what the run did at its checkpoint, to measure what a flip of eq. 5
-costs: `turn_on` sets a latent that a slot masks on, as eq. 5 leaves it when it turns one on (a^s
-of the latent 1, its smoothed alpha just under lambda_low), and `capacity_form` steps on under the
+costs: `turn_on` sets a latent that a slot masks on, as eq. 5 leaves it when it turns one on (its
+entry of a^s 1, its smoothed alpha just under lambda_low), and `capacity_form` steps on under the
 other form of eq. 8's capacity term. Each environment's held-out error under its own slot, before
 and after the replayed steps, says what the steps cost it (docs/regime.md, "The extended study
 so far": a flip made by hand).
@@ -59,25 +59,13 @@ class Replay:
     capacity_form: str  # eq. 8's form the steps trained under
     run_capacity_form: str  # the run's own
     own_slot: list[dict]  # per environment seen: its slot and held-out error before and after
+    latent_on_at_end: bool | None = None  # the latent turned on, in its slot after the last step
 
     def as_dict(self) -> dict:
         return {"steps": [r.as_dict() for r in self.steps], "turned_on": self.turned_on,
                 "capacity_form": self.capacity_form, "run_capacity_form": self.run_capacity_form,
                 "own_slot": self.own_slot, "settled_from": settled_from(self.steps),
-                "latent_at_end": self.latent_at_end()}
-
-    def latent_at_end(self) -> bool | None:
-        """Whether the latent turned on is still on in its slot after the last step (None: none was)."""
-        if self.turned_on is None:
-            return None
-        slot, latent = self.turned_on
-        on = True
-        for r in self.steps:
-            if r.env == slot and latent in r.mask_off:
-                on = False
-            if r.env == slot and latent in r.mask_on:
-                on = True
-        return on
+                "latent_on_at_end": self.latent_on_at_end}
 
 
 def settled_from(rows: list[ReplayedStep]) -> int | None:
@@ -163,7 +151,8 @@ def replay(run_dir: Path, step: int, count: int, latents: list[int] | None = Non
     errors = {(name, slot): error for name, slot, error in before}
     own = [{"environment": name, "slot": slot, "before": errors.get((name, slot)), "after": error}
            for name, slot, error in after]
-    return Replay(rows, turned_on, learner.objective.capacity_form, run_form, own)
+    on_at_end = None if turned_on is None else bool(learner.slots[turned_on[0]].mask[turned_on[1]] > 0)
+    return Replay(rows, turned_on, learner.objective.capacity_form, run_form, own, on_at_end)
 
 
 def replay_text(result: Replay) -> str:
@@ -188,7 +177,7 @@ def summary_lines(result: Replay) -> list[str]:
     rows, lines = result.steps, []
     if result.turned_on is not None:
         slot, latent = result.turned_on
-        end = "on" if result.latent_at_end() else "off"
+        end = "on" if result.latent_on_at_end else "off"
         lines.append(f"z{latent} set on in slot {slot} before the first step (alpha just under lambda_low); "
                      f"after the last: {end}")
     if result.capacity_form != result.run_capacity_form:
