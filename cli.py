@@ -267,6 +267,10 @@ _FLAG_NAMES = {"overrides": "set", "branch_dir": "branch", "branch_step": "at"}
 @click.option("--mask-changes", "mask_changes", is_flag=True,
               help="Instead: every change of a slot's mask (eq. 5) between two of its logged steps, and each "
                    "slot's last mask, from the run's TensorBoard: a flip in a settled slot (docs/regime.md).")
+@click.option("--spikes", is_flag=True,
+              help="Instead: the logged steps whose loss is 2.5 times the median of the stage's steps before "
+                   "them, each with the kept checkpoint to --replay it from, and the masked latents whose alpha "
+                   "sits near a flip, from the run's TensorBoard (docs/regime.md).")
 @click.option("--alive-units", "alive", default=None, metavar="STEPS",
               help="Instead: how many units of each encoder layer fire (ReLU output > 0) on each environment's "
                    "held-out images, under the encoders saved at these steps, e.g. 2000,10000, or 'all': a unit "
@@ -276,7 +280,7 @@ _FLAG_NAMES = {"overrides": "set", "branch_dir": "branch", "branch_step": "at"}
                    "the masked posterior under the slot q_psi picks (docs/probes.md). Default: the run's own.")
 @_device_option()
 def evaluate(run_dir, as_json, steps, batches, own_slot, by_latent, readouts, read_envs, dark_at, classifier, also,
-             step, replay, count, latents, turned_on, capacity_form, mask_changes, alive, reading, device):
+             step, replay, count, latents, turned_on, capacity_form, mask_changes, spikes, alive, reading, device):
     """Recompute probes and metrics from a run's checkpoints and print them."""
     from vase.evaluation import evaluate_run, own_slot_errors_by_encoder, own_slot_text
     from vase.summary import summary_text
@@ -285,7 +289,7 @@ def evaluate(run_dir, as_json, steps, batches, own_slot, by_latent, readouts, re
         given = [name for name, on in (("--atypicality", steps is not None), ("--own-slot", own_slot is not None),
                                        ("--readouts", readouts is not None), ("--classifier", classifier),
                                        ("--replay", replay is not None), ("--mask-changes", mask_changes),
-                                       ("--alive-units", alive is not None)) if on]
+                                       ("--spikes", spikes), ("--alive-units", alive is not None)) if on]
         if len(given) > 1:
             raise VaseError(f"{' and '.join(given)} are separate readings: give one at a time")
         count_given = click.get_current_context().get_parameter_source("count") != click.core.ParameterSource.DEFAULT
@@ -307,6 +311,8 @@ def evaluate(run_dir, as_json, steps, batches, own_slot, by_latent, readouts, re
             raise VaseError("--cut-dark goes with --readouts STEP: it cuts channels from that reading")
         if mask_changes:
             return _mask_changes(Path(run_dir), as_json)
+        if spikes:
+            return _spikes(Path(run_dir), as_json)
         if alive is not None:
             from vase.unit_activity import alive_units_by_encoder, alive_units_text
 
@@ -352,6 +358,20 @@ def _mask_changes(run_dir: Path, as_json: bool) -> None:
     if as_json:
         return click.echo(json.dumps(asdict(found), indent=2))
     click.echo(mask_changes_text(found, load_run_config(run_dir, trains=False).data.sequence))
+
+
+def _spikes(run_dir: Path, as_json: bool) -> None:
+    from dataclasses import asdict
+
+    from vase.checkpoint import kept_steps
+    from vase.loss_spikes import read_spikes, spikes_text
+
+    cfg = load_run_config(run_dir, trains=False)
+    spikes, risky, every = read_spikes(run_dir, kept_steps(run_dir), cfg.mask.lambda_high)
+    if as_json:
+        return click.echo(json.dumps({"spikes": [asdict(s) for s in spikes], "at_risk": [asdict(r) for r in risky],
+                                      "every": every}, indent=2))
+    click.echo(spikes_text(run_dir, spikes, risky, every, cfg.data.sequence))
 
 
 def _slot_picks(run_dir: Path, step: int | None, also: tuple[str, ...], as_json: bool, device) -> None:

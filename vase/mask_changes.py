@@ -35,25 +35,27 @@ class SlotMasks:
     every: int  # the logging interval
 
 
-def read_logged_masks(run_dir: Path) -> dict[int, tuple[int, int, tuple[int, ...]]]:
-    """Each logged step's (slot trained, true environment, mask of that slot) from TensorBoard."""
+def logged_scalars(run_dir: Path, wanted) -> dict[str, dict[int, float]]:
+    """{tag: {step: value}} of the run's TensorBoard scalars whose tag `wanted(tag)` accepts, with
+    every logged step (a resumed run's events after its checkpoint were purged when it resumed)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tb = Path(run_dir) / TB_DIR
     if not tb.is_dir():
-        raise VaseError(f"{tb} not found: the mask changes are read from a run's TensorBoard")
+        raise VaseError(f"{tb} not found: this reading comes from a run's TensorBoard")
     events = EventAccumulator(str(tb), size_guidance={"scalars": 0})
-    events.Reload()  # a resumed run's events after its checkpoint were purged when it resumed
-    tags = events.Tags()["scalars"]
-    latents = sorted(tag for tag in tags if tag.startswith(MASK_PREFIX))
-    if SLOT_TAG not in tags or not latents:
-        raise VaseError(f"{tb} holds no logged masks yet")
+    events.Reload()
+    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"] if wanted(tag)}
 
-    def series(tag: str) -> dict[int, float]:
-        return {e.step: e.value for e in events.Scalars(tag)}
 
-    slots, envs = series(SLOT_TAG), series(ENV_TAG)
-    masks = [series(tag) for tag in latents]
+def read_logged_masks(run_dir: Path) -> dict[int, tuple[int, int, tuple[int, ...]]]:
+    """Each logged step's (slot trained, true environment, mask of that slot) from TensorBoard."""
+    scalars = logged_scalars(run_dir, lambda tag: tag in (SLOT_TAG, ENV_TAG) or tag.startswith(MASK_PREFIX))
+    latents = sorted(tag for tag in scalars if tag.startswith(MASK_PREFIX))
+    if SLOT_TAG not in scalars or not latents:
+        raise VaseError(f"{Path(run_dir) / TB_DIR} holds no logged masks yet")
+    slots, envs = scalars[SLOT_TAG], scalars[ENV_TAG]
+    masks = [scalars[tag] for tag in latents]
     return {step: (int(slot), int(envs[step]), tuple(int(m[step] > 0.5) for m in masks))
             for step, slot in sorted(slots.items())}
 
