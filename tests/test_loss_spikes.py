@@ -116,3 +116,7 @@ def test_the_command_prints_the_replay_to_run_and_its_json(tmp_path):
     assert [s["step"] for s in as_json["spikes"]] == [3000] and as_json["at_risk"][0]["latent"] == 0
     fails_in_one_line(CliRunner().invoke(main, ["eval", str(run), "--spikes", "--mask-changes"]),
                       "--mask-changes and --spikes are separate readings")
+    import shutil
+
+    shutil.rmtree(run / "tb")
+    fails_in_one_line(CliRunner().invoke(main, ["eval", str(run), "--spikes"]), "tb not found")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vase.errors import VaseError
-from vase.mask_changes import MaskChange, logged_scalars, mask_changes, read_logged_masks
+from vase.mask_changes import MaskChange, is_mask_tag, logged_scalars, mask_changes, masks_from
 
 LOSS_TAG, KL_TAG, CAPACITY_TAG, ALPHA_PREFIX = "loss/total", "loss/kl", "capacity/C", "atypicality/z"
 # [ours] A spike: a logged loss above FACTOR times the median of the WINDOW logged steps of the
@@ -87,11 +87,11 @@ def read_spikes(run_dir: Path, kept: list[int], lambda_high: float,
                 factor: float = FACTOR) -> tuple[list[Spike], list[AtRisk], int]:
     """The run's spikes, its latents at risk and its logging interval, from its TensorBoard and the
     steps of its kept checkpoints."""
-    scalars = logged_scalars(run_dir, lambda tag: tag in (LOSS_TAG, KL_TAG, CAPACITY_TAG)
+    scalars = logged_scalars(run_dir, lambda tag: tag in (LOSS_TAG, KL_TAG, CAPACITY_TAG) or is_mask_tag(tag)
                              or tag.startswith(ALPHA_PREFIX))
     if LOSS_TAG not in scalars:
         raise VaseError(f"{Path(run_dir) / 'tb'} holds no logged loss yet")
-    logged = read_logged_masks(run_dir)
+    logged = masks_from(scalars, run_dir)
     found = mask_changes(logged)
     envs = {step: env for step, (_, env, _) in logged.items()}
     spikes = []

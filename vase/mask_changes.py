@@ -48,9 +48,13 @@ def logged_scalars(run_dir: Path, wanted) -> dict[str, dict[int, float]]:
     return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"] if wanted(tag)}
 
 
-def read_logged_masks(run_dir: Path) -> dict[int, tuple[int, int, tuple[int, ...]]]:
-    """Each logged step's (slot trained, true environment, mask of that slot) from TensorBoard."""
-    scalars = logged_scalars(run_dir, lambda tag: tag in (SLOT_TAG, ENV_TAG) or tag.startswith(MASK_PREFIX))
+def is_mask_tag(tag: str) -> bool:
+    """The tags `masks_from` reads."""
+    return tag in (SLOT_TAG, ENV_TAG) or tag.startswith(MASK_PREFIX)
+
+
+def masks_from(scalars: dict[str, dict[int, float]], run_dir: Path) -> dict[int, tuple[int, int, tuple[int, ...]]]:
+    """Each logged step's (slot trained, true environment, mask of that slot), from `logged_scalars`."""
     latents = sorted(tag for tag in scalars if tag.startswith(MASK_PREFIX))
     if SLOT_TAG not in scalars or not latents:
         raise VaseError(f"{Path(run_dir) / TB_DIR} holds no logged masks yet")
@@ -58,6 +62,11 @@ def read_logged_masks(run_dir: Path) -> dict[int, tuple[int, int, tuple[int, ...
     masks = [scalars[tag] for tag in latents]
     return {step: (int(slot), int(envs[step]), tuple(int(m[step] > 0.5) for m in masks))
             for step, slot in sorted(slots.items())}
+
+
+def read_logged_masks(run_dir: Path) -> dict[int, tuple[int, int, tuple[int, ...]]]:
+    """Each logged step's (slot trained, true environment, mask of that slot) from TensorBoard."""
+    return masks_from(logged_scalars(run_dir, is_mask_tag), run_dir)
 
 
 def mask_changes(logged: dict[int, tuple[int, int, tuple[int, ...]]]) -> SlotMasks:
