@@ -69,9 +69,9 @@ def at_risk(logged: dict[int, tuple[int, int, tuple[int, ...]]], alpha: dict[int
             lambda_high: float) -> list[AtRisk]:
     """The latents each slot masks at its last logged step whose median α over the slot's RECENT
     logged batches is below lambda_high, lowest first: inside the hysteresis band or under it."""
-    rows = []
+    rows, order = [], sorted(logged)
     for slot in sorted({slot for slot, _, _ in logged.values()}):
-        steps = [step for step, (s, _, _) in sorted(logged.items()) if s == slot][-RECENT:]
+        steps = [step for step in order if logged[step][0] == slot][-RECENT:]
         mask = logged[steps[-1]][2]
         for latent, on in enumerate(mask):
             values = [alpha[latent][step] for step in steps if step in alpha.get(latent, {})]
@@ -108,18 +108,13 @@ def read_spikes(run_dir: Path, kept: list[int], lambda_high: float,
 
 def spikes_text(run_dir: Path, spikes: list[Spike], risky: list[AtRisk], every: int, sequence: list[str],
                 factor: float = FACTOR) -> str:
-    def names(latents: tuple[int, ...]) -> str:
-        return " ".join(f"z{z}" for z in latents)
-
     lines = [f"eq. 8's loss above {factor:g} times the median of the stage's {WINDOW} logged steps before it "
              f"(logged every {every:,} steps):"]
     for s in spikes:
         lines.append(f"  {s.step:>9,}  {sequence[s.true_env]} in slot {s.slot}: {s.loss:.1f} against {s.median:.1f} "
                      f"({s.loss / s.median:.1f} times); KL {s.kl:.1f} against C(t) {s.capacity:.1f}")
         for c in s.changes:
-            turned = "; ".join(part for part in (f"on {names(c.on)}" if c.on else "",
-                                                 f"off {names(c.off)}" if c.off else "") if part)
-            lines.append(f"             slot {c.slot}'s mask {c.before:,} -> {c.after:,}: {turned}")
+            lines.append(f"             slot {c.slot}'s mask {c.before:,} -> {c.after:,}: {c.turned()}")
         if s.replay_from is None:
             lines.append("             no checkpoint kept before it: train.keep_every keeps them (docs/usage.md)")
         else:

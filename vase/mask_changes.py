@@ -27,12 +27,21 @@ class MaskChange:
     on: tuple[int, ...]  # latents the slot uses from `after` on
     off: tuple[int, ...]  # latents it no longer uses
 
+    def turned(self) -> str:
+        """'on z1 z8; off z3', as the readings print a change."""
+        return "; ".join(f"{word} {latent_names(latents)}" for word, latents in (("on", self.on), ("off", self.off))
+                         if latents)
+
 
 @dataclass(frozen=True)
 class SlotMasks:
     changes: list[MaskChange]
     last: dict[int, tuple[int, tuple[int, ...]]]  # slot -> (its last logged step, the latents on)
     every: int  # the logging interval
+
+
+def latent_names(latents: tuple[int, ...]) -> str:
+    return " ".join(f"z{z}" for z in latents)
 
 
 def logged_scalars(run_dir: Path, wanted) -> dict[str, dict[int, float]]:
@@ -88,18 +97,13 @@ def mask_changes(logged: dict[int, tuple[int, int, tuple[int, ...]]]) -> SlotMas
 
 
 def mask_changes_text(found: SlotMasks, sequence: list[str]) -> str:
-    def names(latents: tuple[int, ...]) -> str:
-        return " ".join(f"z{z}" for z in latents)
-
     lines = [f"eq. 5's mask changes, between two logged steps of a slot (logged every {found.every:,} steps; "
              "a shorter change can be missed):"]
     for c in found.changes:
-        turned = "; ".join(part for part in (f"on {names(c.on)}" if c.on else "",
-                                             f"off {names(c.off)}" if c.off else "") if part)
-        lines.append(f"  slot {c.slot} ({sequence[c.true_env]}'s batch)  {c.before:>9,} -> {c.after:<9,} {turned}")
+        lines.append(f"  slot {c.slot} ({sequence[c.true_env]}'s batch)  {c.before:>9,} -> {c.after:<9,} {c.turned()}")
     if not found.changes:
         lines.append("  none")
     lines.append("each slot's mask at its last logged step, the latents on:")
     for slot, (step, used) in sorted(found.last.items()):
-        lines.append(f"  slot {slot} at {step:,}: {names(used) or 'none'}")
+        lines.append(f"  slot {slot} at {step:,}: {latent_names(used) or 'none'}")
     return "\n".join(lines)
