@@ -356,6 +356,8 @@ class ProgressTraining(FakeTraining):
 def test_the_grid_bar_counts_the_runs_steps_as_they_train(tmp_path, sprite_data, monkeypatch):
     import tqdm.auto
 
+    import vase.progress_bar
+
     bars = []
 
     class Bar(tqdm.auto.tqdm):
@@ -368,7 +370,7 @@ def test_the_grid_bar_counts_the_runs_steps_as_they_train(tmp_path, sprite_data,
             super().update(n)
             self.history.append(self.n)
 
-    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    monkeypatch.setattr(vase.progress_bar, "tqdm", Bar)
     monkeypatch.setattr(grid_module, "PROGRESS_POLL_S", 0.01)
     spec = tiny_spec(tmp_path / "grid", sprite_data, seeds=(0, 1))  # 4 runs of 2 x 10 steps
     run_grid(spec, ProgressTraining(spec, fail={"none-disentangled-s1"}, bars=bars), echo=lambda s: None)

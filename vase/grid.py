@@ -437,9 +437,8 @@ def _train(spec: GridSpec, backend, now: list[tuple[GridRun, int | None]], then,
     first stage's end) or None for the run's end; when a run pauses, `then(run)` gives the runs that
     follow it, and they join the queue. `lines` collects what to print. Returns the names of the
     runs that ended well, and (name, why) for those that failed."""
-    from tqdm.auto import tqdm
-
     from vase.grid_backends import Job
+    from vase.progress_bar import progress_bar
     from vase.progress_file import GridSteps
 
     finished: list[str] = []
@@ -460,7 +459,7 @@ def _train(spec: GridSpec, backend, now: list[tuple[GridRun, int | None]], then,
     # The bar counts the runs' steps, read from their progress files, so that a grid of a few
     # long runs moves as they train instead of at their ends.
     steps = GridSteps({run.name: (run.run_dir, spec.config(run).data.total_steps()) for run in runs})
-    bar = tqdm(total=steps.total, initial=steps.done(), desc="vase grid", unit="step", disable=not progress)
+    bar = progress_bar(steps.total, "vase grid", initial=steps.done(), disable=not progress)
     bar.set_postfix(runs=f"0/{len(runs)} done")
     lock = threading.Lock()
 

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from tqdm.auto import tqdm
 
 from vase.branching import branch_origin
 from vase.callbacks import Callback, StepEnd
@@ -28,6 +27,7 @@ from vase.errors import CheckpointError, NumericalError, VaseError
 from vase.evaluation import FrozenEncoder
 from vase.evaluator import Evaluator
 from vase.learner import Learner
+from vase.progress_bar import progress_bar
 from vase.progress_file import ProgressFile
 from vase.stream import Stream
 from vase.tensorboard_logger import TensorBoardLogger
@@ -234,7 +234,7 @@ class Trainer:
         total = self.stream.total_steps
         pause = until is not None and until < total
         stop = max(start, until) if pause else total
-        bar = tqdm(total=total, initial=start, disable=not self.progress, desc="vase train", unit="step")
+        bar = progress_bar(total, "vase train", initial=start, disable=not self.progress)
         interrupt = InterruptBetweenSteps()
         restore_sigint = interrupt.install()
         try:
@@ -251,7 +251,9 @@ class Trainer:
                                logged=(t + 1) % self.cfg.train.log_every == 0 or boundary)
                 self._call("on_step", step)
                 if step.logged:
-                    bar.set_postfix(env=f"{step.true_env}->{out.decision.env}", loss=f"{out.losses['total']:.1f}")
+                    # the next redraw shows it: a log gets a line a minute, not one per logged step
+                    bar.set_postfix(env=f"{step.true_env}->{out.decision.env}", loss=f"{out.losses['total']:.1f}",
+                                    refresh=False)
                 if boundary:
                     self._call("on_boundary", step)
                 keep = boundary or self.cfg.train.keeps(step.done)

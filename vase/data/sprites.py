@@ -26,9 +26,9 @@ from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from vase.data.importing import atomic_write
+from vase.progress_bar import progress_bar
 
 IMG_SIZE = 64
 BASE_SCALE = 0.7
@@ -93,7 +93,8 @@ def render(recipe: SpriteRecipe, progress: bool = True) -> tuple[np.ndarray, dic
     factors = sample_factors(recipe)
     images = np.empty((recipe.size, 1, IMG_SIZE, IMG_SIZE), dtype=np.uint8)
     offset = recipe.shape_set * recipe.shapes_per_set  # global shape id, for idsprites' bookkeeping
-    for i in tqdm(range(recipe.size), desc=f"rendering {recipe.name}/{recipe.split}", disable=not progress):
+    for i in progress_bar(recipe.size, f"rendering {recipe.name}/{recipe.split}", unit="image",
+                          disable=not progress, iterable=range(recipe.size)):
         k = int(factors["class"][i])
         img = renderer.draw(
             Factors(
