@@ -127,8 +127,11 @@ def train(preset, sequence, steps, ablation, entangled, seed, data_root, downloa
 
     With no options: the full VASE (SDA) on the embedded sprite sequence with the CPU preset.
     """
+    import torch
+
     from vase.branching import plan_branch, write_branch
     from vase.checkpoint import write_atomic
+    from vase.device import busy_cpu_note
     from vase.summary import summary_text
     from vase.trainer import Trainer, check_run_dir, prepare_run_dir, run_dir_for
 
@@ -153,6 +156,9 @@ def train(preset, sequence, steps, ablation, entangled, seed, data_root, downloa
             path = run_dir_for(cfg, run_dir)
         check_run_dir(path, resume=bool(resume_dir), overwrite=overwrite)
         trainer = Trainer(cfg, path, progress=not no_progress, device=_resolve_device(device))
+        note = busy_cpu_note(torch.get_num_threads(), trainer.device)
+        if note:
+            click.echo(note, err=True)
         fill = (lambda target: write_branch(branch, target)) if branch_dir else None
         prepare_run_dir(path, cfg, resume=bool(resume_dir), overwrite=overwrite, fill=fill)
         if resume_dir and kept_changed:

@@ -207,3 +207,33 @@ def test_the_host_record_names_what_decides_the_cpu_kernels():
     assert record["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert record["torch"] == torch.__version__ and record["threads"] == torch.get_num_threads()
     assert json.loads(json.dumps(record)) == record
+
+
+@pytest.mark.parametrize("threads, device, load, cores, noted", [
+    (2, "cpu", 3.1, 2, True),  # the grid's three one-thread runs on 2 cores, and a run of two threads
+    (2, "cpu", 2.0, 2, True),
+    (2, "cpu", 1.9, 2, False),  # a core to spare
+    (1, "cpu", 9.0, 2, False),  # one thread waits for nobody
+    (2, "cuda", 9.0, 2, False),
+])
+def test_a_busy_cpu_is_noted_for_runs_of_several_threads(threads, device, load, cores, noted):
+    from vase.device import busy_cpu_note
+
+    note = busy_cpu_note(threads, torch.device(device), load, cores)
+    assert (note is not None) == noted
+    if noted:
+        assert f"load average is {load:.1f} on {cores} cores" in note and "--set train.threads=1" in note
+
+
+def test_vase_train_notes_a_busy_machine_once_on_stderr(tmp_path, monkeypatch):
+    import vase.device
+    from tests.test_cli import tiny_args
+
+    monkeypatch.setattr(vase.device.os, "getloadavg", lambda: (64.0, 64.0, 64.0))
+    busy = CliRunner().invoke(main, tiny_args(tmp_path / "busy", tmp_path / "data", train__threads=2),
+                              catch_exceptions=False)
+    assert busy.exit_code == 0, busy.output
+    assert busy.stderr.count("note: this machine's load average is 64.0") == 1
+    quiet = CliRunner().invoke(main, tiny_args(tmp_path / "one", tmp_path / "data", train__threads=1),
+                               catch_exceptions=False)
+    assert quiet.exit_code == 0 and "load average" not in quiet.output

@@ -119,6 +119,27 @@ def host() -> dict:
             "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
+def busy_cpu_note(threads: int, device: torch.device, load: float | None = None,
+                  cores: int | None = None) -> str | None:
+    """A line for a CPU run of several threads on a machine whose load average already fills its
+    cores, else None. PyTorch's threads wait for each other at every layer, so while other work holds
+    a core, all of them wait: beside a grid that filled 2 cores a run of two threads trained 204
+    steps in 100 s and one of one thread 482 (docs/usage.md, "The grid")."""
+    if device.type != "cpu" or threads <= 1:
+        return None
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except (AttributeError, OSError):  # not on this platform
+            return None
+    cores = os.cpu_count() if cores is None else cores
+    if not cores or load < cores:
+        return None
+    return (f"note: this machine's load average is {load:.1f} on {cores} cores; beside other work a run "
+            f"of {threads} threads waits for the busiest core, and one thread trains faster: "
+            "--set train.threads=1 (docs/usage.md)")
+
+
 def wide_float(device: torch.device) -> torch.dtype:
     """The widest float dtype of a device: float64, or float32 on MPS, which has no float64."""
     return torch.float32 if device.type == "mps" else torch.float64
