@@ -52,5 +52,7 @@ def progress_bar(total: int, desc: str, initial: int = 0, unit: str = "step", di
     every_s = LOG_EVERY_S if every_s is None else every_s
     if is_terminal(stream) or disable:
         return tqdm(total=total, initial=initial, desc=desc, unit=unit, disable=disable, file=stream, **kwargs)
+    # tqdm's monitor thread redraws a bar whose updates come slower than `maxinterval` (10 s by
+    # default), which would space the lines by 10 s instead of `every_s`.
     return tqdm(total=total, initial=initial, desc=desc, unit=unit, file=LogLines(stream), mininterval=every_s,
-                maxinterval=max(every_s, 10.0), ascii=True, dynamic_ncols=False, **kwargs)
+                maxinterval=max(every_s, 10.0), ascii=True, **kwargs)
