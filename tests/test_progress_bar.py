@@ -59,6 +59,20 @@ def test_on_a_terminal_it_is_tqdms_bar():
     assert "\r" in out.getvalue() and not DATED.match(out.getvalue().lstrip("\r"))
 
 
+def test_in_a_notebook_it_is_tqdms_bar(monkeypatch):
+    import tqdm.autonotebook
+
+    class Widget(tqdm.std.tqdm):  # what tqdm.autonotebook holds inside a Jupyter kernel
+        pass
+
+    monkeypatch.setattr(tqdm.autonotebook, "tqdm", Widget)
+    out = io.StringIO()  # a kernel's standard error is no terminal
+    bar = progress_bar(5, "vase train", stream=out, every_s=3600.0)
+    bar.update(5)
+    bar.close()
+    assert "\r" in out.getvalue() and not DATED.match(out.getvalue().lstrip("\r"))
+
+
 def test_log_lines_drop_tqdms_clearing_and_keep_text():
     out = io.StringIO()
     lines = LogLines(out, clock=lambda: 0.0)

@@ -13,6 +13,7 @@ import sys
 import time
 from typing import IO, Callable
 
+from tqdm import autonotebook, std
 from tqdm.auto import tqdm
 
 LOG_EVERY_S = 60.0  # one progress line a minute in a log: a 40-hour study writes 2,400 lines
@@ -44,13 +45,20 @@ def is_terminal(stream: IO[str]) -> bool:
         return False
 
 
+def in_notebook() -> bool:
+    """Whether tqdm draws its bars as a notebook's widgets, which a log's lines would slow to one a
+    minute: tqdm.autonotebook picks its notebook class only inside a Jupyter kernel."""
+    return autonotebook.tqdm is not std.tqdm
+
+
 def progress_bar(total: int, desc: str, initial: int = 0, unit: str = "step", disable: bool = False,
                  stream: IO[str] | None = None, every_s: float | None = None, **kwargs) -> tqdm:
-    """tqdm's bar on `stream` (default: standard error) when it is a terminal; otherwise the same
-    bar as a dated line at most every `every_s` seconds (default `LOG_EVERY_S`), in ASCII."""
+    """tqdm's bar on `stream` (default: standard error) when it is a terminal, or in a notebook;
+    otherwise the same bar as a dated line at most every `every_s` seconds (default
+    `LOG_EVERY_S`), in ASCII."""
     stream = sys.stderr if stream is None else stream
     every_s = LOG_EVERY_S if every_s is None else every_s
-    if is_terminal(stream) or disable:
+    if disable or is_terminal(stream) or in_notebook():
         return tqdm(total=total, initial=initial, desc=desc, unit=unit, disable=disable, file=stream, **kwargs)
     # tqdm's monitor thread redraws a bar whose updates come slower than `maxinterval` (10 s by
     # default), which would space the lines by 10 s instead of `every_s`.
