@@ -2,8 +2,8 @@
 grid or a training under `nohup … > log`, a cluster's batch job) one dated line per `LOG_EVERY_S`
 seconds.
 
-tqdm redraws its bar with carriage returns, which a terminal overwrites and a file keeps: a study's
-log became one line of megabytes that `tail` prints whole. Off a terminal the same bar is written
+tqdm redraws its bar with carriage returns, which a terminal overwrites and a file keeps: a long
+grid's log would be one line of megabytes that `tail` prints whole. Off a terminal the same bar is written
 through `LogLines`, which turns each redraw into a line of its own, and tqdm's `mininterval` spaces
 the redraws out.
 """
