@@ -85,11 +85,9 @@ def test_log_lines_drop_tqdms_clearing_and_keep_text():
 def test_a_training_in_a_log_writes_lines_and_no_line_per_logged_step(tmp_path, capsys, monkeypatch):
     # 8 steps logged every step: with eq. 8's loss redrawn at each logged step, the log would
     # get a line per step; it gets the opening and closing lines only.
-    settings = ["data.sequence=moving_shapes_a,shapes_b", "data.steps_per_env=4", "data.sprite_train_size=200",
-                "data.sprite_test_size=100", "probe.train_size=50", "probe.test_size=50", "probe.every=8",
-                "train.batch_size=16", "train.threads=1", "train.log_every=1", "dream.batch_size=16",
-                f"data.root={tmp_path / 'data'}"]
-    cfg = build_config("cpu", settings)
+    from tests.test_callbacks import SETTINGS  # two sprite environments of 4 steps
+
+    cfg = build_config("cpu", SETTINGS + ["train.log_every=1", f"data.root={tmp_path / 'data'}"])
     run = tmp_path / "run"
     trainer = Trainer(cfg, run, progress=True, callbacks=[])
     prepare_run_dir(run, cfg, resume=False)

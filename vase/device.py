@@ -132,6 +132,8 @@ def busy_cpu_note(threads: int, device: torch.device, load: float | None = None,
             load = os.getloadavg()[0]
         except (AttributeError, OSError):  # not on this platform
             return None
+    # The machine's cores, not this process's affinity (as the grid counts its workers): the load
+    # average counts the whole machine's runnable work.
     cores = os.cpu_count() if cores is None else cores
     if not cores or load < cores:
         return None
