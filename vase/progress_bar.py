@@ -3,9 +3,9 @@ grid or a training under `nohup … > log`, a cluster's batch job) one dated lin
 seconds.
 
 tqdm redraws its bar with carriage returns, which a terminal overwrites and a file keeps: a long
-grid's log would be one line of megabytes that `tail` prints whole. Off a terminal the same bar is written
-through `LogLines`, which turns each redraw into a line of its own, and tqdm's `mininterval` spaces
-the redraws out.
+grid's log would be one line of megabytes that `tail` prints whole. Off a terminal the same bar is
+written through `LogLines`, which turns each redraw into a line of its own, and tqdm's
+`mininterval` spaces the redraws out.
 """
 from __future__ import annotations
 
