@@ -374,7 +374,7 @@ def test_the_grid_bar_counts_the_runs_steps_as_they_train(tmp_path, sprite_data,
     monkeypatch.setattr(grid_module, "PROGRESS_POLL_S", 0.01)
     spec = tiny_spec(tmp_path / "grid", sprite_data, seeds=(0, 1))  # 4 runs of 2 x 10 steps
     run_grid(spec, ProgressTraining(spec, fail={"none-disentangled-s1"}, bars=bars), echo=lambda s: None)
-    bar = bars[0]
+    bar = next(b for b in bars if b.desc == "vase grid")  # not the bar of the sprites made on first use
     assert bar.unit == "step" and bar.total == 4 * 20
     # Each run is read at 4 steps while it trains, then counts whole when it ends well; the failed one
     # stays at what its file says.
@@ -688,6 +688,21 @@ def test_rows_that_need_no_first_stage_start_with_it_and_branched_rows_follow_it
         assert [name for name, _ in report.failed] == ["SDA-disentangled-s0"]
     else:
         assert sorted(report.finished) == ["D-disentangled-s0", "SDA-disentangled-s0", "none-disentangled-s0"]
+
+
+def test_the_grid_bar_counts_a_shared_first_stage_once_before_and_after_the_branch(tmp_path):
+    """A row branched from SDA's first stage trains only the steps after it, so the bar's total is
+    SDA's 20 steps and the row's last 10, whether the branch is still to be made or was made in an
+    earlier invocation; a row that is no branch counts all its steps."""
+    from vase.branching import BRANCH_FILE
+
+    spec = replace(tiny_spec(tmp_path / "grid", tmp_path / "data"), share_first_stage=True)
+    sda, none = spec.runs()
+    assert grid_module.grid_steps(spec, [sda, none], {none.name}).total == 20 + 10
+    assert grid_module.grid_steps(spec, [sda, none], set()).total == 20 + 20
+    none.run_dir.mkdir(parents=True)
+    (none.run_dir / BRANCH_FILE).write_text(json.dumps({"source": str(sda.run_dir), "step": 10, "overrides": []}))
+    assert grid_module.grid_steps(spec, [sda, none], set()).total == 20 + 10
 
 
 @pytest.mark.slow

@@ -51,8 +51,8 @@ def test_a_missing_or_broken_file_reads_as_none(tmp_path):
 
 
 def test_the_grid_counts_each_run_from_its_file_capped_at_its_length_and_a_finished_run_whole(tmp_path):
-    runs = {name: (tmp_path / name, total) for name, total in [("a", 100), ("b", 50), ("c", 30)]}
-    for path, _ in runs.values():
+    runs = {name: (tmp_path / name, total, 0) for name, total in [("a", 100), ("b", 50), ("c", 30)]}
+    for path, _, _ in runs.values():
         path.mkdir()
     steps = GridSteps(runs)
     assert steps.total == 180 and steps.done() == 0  # no file yet: nothing done
@@ -61,3 +61,22 @@ def test_the_grid_counts_each_run_from_its_file_capped_at_its_length_and_a_finis
     assert steps.done() == 25 + 50
     steps.end("c")  # ended well on a node whose files the driver does not see
     assert steps.done() == 25 + 50 + 30
+
+
+def test_a_branch_counts_from_its_branch_step_and_a_branch_that_trains_from_0_counts_whole(tmp_path):
+    # "sda" trains steps 0-100; "none" is branched from its step 60, so the grid trains 100 + 40 steps
+    runs = {"sda": (tmp_path / "sda", 100, 0), "none": (tmp_path / "none", 100, 60)}
+    for path, _, _ in runs.values():
+        path.mkdir()
+    steps = GridSteps(runs)
+    assert steps.total == 140 and steps.done() == 0
+    (tmp_path / "sda" / PROGRESS_FILE).write_text('{"step": 60, "total": 100}')
+    (tmp_path / "none" / PROGRESS_FILE).write_text('{"step": 60, "total": 100}')  # just branched: nothing of its own
+    assert steps.done() == 60
+    (tmp_path / "none" / PROGRESS_FILE).write_text('{"step": 75, "total": 100}')
+    assert steps.done() == 60 + 15
+    steps.end("none")
+    assert steps.done() == 60 + 40
+    steps.start_at("sda", 0)  # unchanged
+    steps.start_at("none", 0)  # the branch could not be made: it trains all its 100 steps
+    assert steps.total == 200 and steps.done() == 60 + 100

@@ -15,6 +15,7 @@ import json
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vase.checkpoint import kept_steps, write_atomic
 from vase.config import CONFIG_VERSION, KEPT_NOT_TRAINED, Config, build_config, load_run_config, option_overrides
@@ -22,6 +23,9 @@ from vase.config_checks import setting as setting_of
 from vase.config_sections import CHOICES
 from vase.config_values import comma_list
 from vase.errors import ConfigError, VaseError
+
+if TYPE_CHECKING:
+    from vase.progress_file import GridSteps
 
 # The rows of the paper's Table 1, in its order.
 TABLE1_ROWS = ("-", "S", "D", "A", "SA", "DA", "SD", "SDA", "SD-[41]")
@@ -402,12 +406,16 @@ def run_grid(spec: GridSpec, backend, echo=print, progress: bool = True) -> Grid
         if status_of[source.name] != DONE and first_stage_end(spec, source) not in kept_steps(source.run_dir):
             waiting.setdefault(source.name, (source, []))[1].append(run)
     lines: list[str] = []
+    training = [run for run, status in planned if status != DONE]
+    steps = grid_steps(spec, training, {run.name for run in branching})
 
     def branched(runs: list[GridRun]) -> list[GridRun]:
         for run in runs:
             why = start_branch(spec, run)
             lines.append(f"branch {run.name} from {first_stage_source(run).name} at step {first_stage_end(spec, run):,}"
                          if why is None else f"note   {run.name} trains from step 0: {why}")
+            if why is not None:
+                steps.start_at(run.name, 0)
         return runs
 
     later = {run.name for _, rows in waiting.values() for run in rows} | set(waiting)
@@ -422,8 +430,7 @@ def run_grid(spec: GridSpec, backend, echo=print, progress: bool = True) -> Grid
         paused.add(source.name)
         return branched(waiting[source.name][1]) + [source]
 
-    finished, failed = _train(spec, backend, now, then, echo, progress, lines,
-                              [run for run, status in planned if status != DONE])
+    finished, failed = _train(spec, backend, now, then, echo, progress, lines, training, steps)
     for name, _ in list(failed):
         if name in waiting and name not in paused:  # its first stage failed, so its rows never started
             failed += [(run.name, f"not started: {name}, whose first stage it branches from, failed")
@@ -431,15 +438,29 @@ def run_grid(spec: GridSpec, backend, echo=print, progress: bool = True) -> Grid
     return GridReport(planned, finished, failed, write_table(spec, [run for run, _ in planned]))
 
 
+def grid_steps(spec: GridSpec, runs: list[GridRun], to_branch: set[str]) -> GridSteps:
+    """The bar's count of `runs`' steps, each counted from the step the grid trains it from: its
+    branch step if it is a branch or is to be branched (`to_branch`), else 0."""
+    from vase.branching import branch_origin
+    from vase.progress_file import GridSteps
+
+    def start(run: GridRun) -> int:
+        if run.name in to_branch:
+            return first_stage_end(spec, run)
+        origin = branch_origin(run.run_dir)
+        return 0 if origin is None else origin["step"]
+
+    return GridSteps({run.name: (run.run_dir, spec.config(run).data.total_steps(), start(run)) for run in runs})
+
+
 def _train(spec: GridSpec, backend, now: list[tuple[GridRun, int | None]], then, echo, progress: bool,
-           lines: list[str], runs: list[GridRun]) -> tuple[list[str], list[tuple[str, str]]]:
+           lines: list[str], runs: list[GridRun], steps: GridSteps) -> tuple[list[str], list[tuple[str, str]]]:
     """Run `vase train` for each (run, until) on the backend, `until` being the step to pause at (a
     first stage's end) or None for the run's end; when a run pauses, `then(run)` gives the runs that
     follow it, and they join the queue. `lines` collects what to print. Returns the names of the
     runs that ended well, and (name, why) for those that failed."""
     from vase.grid_backends import Job
     from vase.progress_bar import progress_bar
-    from vase.progress_file import GridSteps
 
     finished: list[str] = []
     failed: list[tuple[str, str]] = []
@@ -456,15 +477,15 @@ def _train(spec: GridSpec, backend, now: list[tuple[GridRun, int | None]], then,
                    str(run.run_dir), str(run.log))
 
     jobs = [job(run, until) for run, until in now]
-    # The bar counts the runs' steps, read from their progress files, so that a grid of a few
-    # long runs moves as they train instead of at their ends.
-    steps = GridSteps({run.name: (run.run_dir, spec.config(run).data.total_steps()) for run in runs})
+    # The bar counts the runs' steps, read from their progress files (`steps`), so that a grid of
+    # a few long runs moves as they train instead of at their ends.
     bar = progress_bar(steps.total, "vase grid", initial=steps.done(), disable=not progress)
     bar.set_postfix(runs=f"0/{len(runs)} done")
     lock = threading.Lock()
 
     def refresh() -> None:
         with lock:
+            bar.total = steps.total  # grows if a planned branch trains from step 0 instead
             bar.update(steps.done() - bar.n)
 
     def say(line: str) -> None:

@@ -60,26 +60,35 @@ class ProgressFile(Callback):
 
 
 class GridSteps:
-    """Steps done over the runs of a grid, read from their progress files.
+    """Steps the grid trains, read from its runs' progress files.
 
-    A run counts from what its file says (0 without one) until it ends, and then as whole. A run on
-    another Ray node writes its file there, so the driver sees it only when the run ends, unless
-    the nodes share a filesystem.
+    A run counts from what its file says (0 without one) until it ends, and then as whole. A run
+    branched from another's first stage (--share-first-stage) counts from its branch step: the
+    steps before it were trained once, by the run it branches from, and are counted there, so the
+    bar's rate and time left stay true when the branches are made. A run on another Ray node
+    writes its file there, so the driver sees it only when the run ends, unless the nodes share a
+    filesystem.
     """
 
-    def __init__(self, runs: dict[str, tuple[Path, int]]):
-        self.runs = runs  # name -> (run directory, total steps)
+    def __init__(self, runs: dict[str, tuple[Path, int, int]]):
+        self.runs = runs  # name -> (run directory, total steps, step the grid trains it from)
         self.ended: set[str] = set()
 
     @property
     def total(self) -> int:
-        return sum(total for _, total in self.runs.values())
+        return sum(total - start for _, total, start in self.runs.values())
+
+    def start_at(self, name: str, step: int) -> None:
+        """`name` trains from `step` after all (a planned branch that trains from step 0 instead)."""
+        run_dir, total, _ = self.runs[name]
+        self.runs[name] = (run_dir, total, step)
 
     def end(self, name: str) -> None:
         self.ended.add(name)
 
     def done(self) -> int:
         steps = 0
-        for name, (run_dir, total) in self.runs.items():
-            steps += total if name in self.ended else min(total, read_progress(run_dir) or 0)
+        for name, (run_dir, total, start) in self.runs.items():
+            step = total if name in self.ended else min(total, read_progress(run_dir) or 0)
+            steps += max(0, step - start)
         return steps
