@@ -284,9 +284,11 @@ _FLAG_NAMES = {"overrides": "set", "branch_dir": "branch", "branch_step": "at"}
 @click.option("--reading", type=click.Choice(PROBE_READINGS), default=None,
               help="The code the probes read: mean, mu(x) of every latent; or sample, the paper's reading, "
                    "the masked posterior under the slot q_psi picks (docs/probes.md). Default: the run's own.")
+@click.option("--no-progress", is_flag=True, help="Hide the progress bar of --replay.")
 @_device_option()
 def evaluate(run_dir, as_json, steps, batches, own_slot, by_latent, readouts, read_envs, dark_at, classifier, also,
-             step, replay, count, latents, turned_on, capacity_form, mask_changes, spikes, alive, reading, device):
+             step, replay, count, latents, turned_on, capacity_form, mask_changes, spikes, alive, reading,
+             no_progress, device):
     """Recompute probes and metrics from a run's checkpoints and print them."""
     from vase.evaluation import evaluate_run, own_slot_errors_by_encoder, own_slot_text
     from vase.summary import summary_text
@@ -303,7 +305,7 @@ def evaluate(run_dir, as_json, steps, batches, own_slot, by_latent, readouts, re
             raise VaseError("--count, --latents, --turn-on and --capacity-form go with --replay STEP")
         if replay is not None:
             return _replay(Path(run_dir), replay, count, latents, turned_on, capacity_form, as_json,
-                           _resolve_device(device))
+                           _resolve_device(device), progress=not no_progress)
         if by_latent and own_slot is None:
             raise VaseError("--by-latent goes with --own-slot STEPS: it splits that reading over the latents")
         if step is not None and not (classifier or own_slot is not None):
@@ -398,7 +400,7 @@ def _slot_picks(run_dir: Path, step: int | None, also: tuple[str, ...], as_json:
 
 
 def _replay(run_dir: Path, step: int, count: int, latents: str | None, turned_on: str | None,
-            capacity_form: str | None, as_json: bool, device) -> None:
+            capacity_form: str | None, as_json: bool, device, progress: bool) -> None:
     from vase.replay import replay, replay_text
 
     shown = _integers("--latents", latents, "latents", "1,8,16") if latents is not None else None
@@ -408,7 +410,8 @@ def _replay(run_dir: Path, step: int, count: int, latents: str | None, turned_on
         if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
             raise VaseError(f"--turn-on {turned_on}: give SLOT:LATENT, e.g. 1:15")
         flip = (int(parts[0]), int(parts[1]))
-    result = replay(run_dir, step, count, shown, device=device, turned_on=flip, capacity_form=capacity_form)
+    result = replay(run_dir, step, count, shown, device=device, turned_on=flip, capacity_form=capacity_form,
+                    progress=progress)
     click.echo(json.dumps(result.as_dict(), indent=2) if as_json else replay_text(result))
 
 

@@ -77,17 +77,25 @@ def test_the_mask_changes_it_reports_lead_from_one_checkpoint_to_the_next(flippi
 def test_the_text_and_json_carry_each_step(run):
     result = invoke(["eval", str(run), "--replay", str(2 * STAGE), "--count", "2", "--latents", "0,5"])
     assert result.exit_code == 0, result.output
-    lines = result.output.splitlines()
+    lines = result.stdout.splitlines()  # the progress bar is on standard error
     assert lines[0].startswith("each batch as the run trained it")
     assert lines[2].split()[0] == str(2 * STAGE) and "z0 " in lines[2] and "z5 " in lines[2]
     assert lines[4].startswith("eq. 3 over these steps: at most") and lines[5].startswith("held-out error")
     assert len(lines) == 6 + 3  # one line per environment: two seen by the checkpoint, the third in the replay
-    as_json = json.loads(invoke(["eval", str(run), "--replay", str(2 * STAGE), "--count", "2", "--json"]).output)
+    as_json = json.loads(invoke(["eval", str(run), "--replay", str(2 * STAGE), "--count", "2", "--json"]).stdout)
     assert [row["step"] for row in as_json["steps"]] == [2 * STAGE, 2 * STAGE + 1]
     assert [r["environment"] for r in as_json["own_slot"]] == [line.split()[0] for line in lines[6:]]
     assert as_json["own_slot"][-1]["before"] is None and as_json["own_slot"][0]["before"] is not None
     assert lines[-1].split(": ")[1].startswith("- -> ")
     assert as_json["turned_on"] is None and as_json["capacity_form"] == as_json["run_capacity_form"] == "squared"
+
+
+def test_the_replay_shows_its_progress_on_standard_error_unless_asked_not_to(run):
+    args = ["eval", str(run), "--replay", str(2 * STAGE), "--count", "3"]
+    shown, hidden = invoke(args), invoke(args + ["--no-progress"])
+    bar = shown.stderr.splitlines()  # off a terminal: dated lines, the last one at the bar's close
+    assert bar and all("vase eval --replay" in line for line in bar) and "3/3" in bar[-1], shown.stderr
+    assert hidden.stderr == "" and hidden.stdout == shown.stdout
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -106,12 +106,14 @@ def own_slot_errors(run) -> list[tuple[str, int, float]]:
 
 def replay(run_dir: Path, step: int, count: int, latents: list[int] | None = None, top: int = 3,
            device: str = "cpu", turned_on: tuple[int, int] | None = None,
-           capacity_form: str | None = None) -> Replay:
+           capacity_form: str | None = None, progress: bool = False) -> Replay:
     """Train `count` steps of the run from its kept checkpoint of `step`, in memory, and return what
     each one saw. `latents`: whose alpha to show (default: each batch's `top` most atypical).
     `turned_on`: (slot, latent) to set on before the first step; `capacity_form`: eq. 8's form to
-    step on under (default: the run's)."""
+    step on under (default: the run's). `progress`: a bar on standard error, as the steps take as long
+    as the run's own."""
     from vase.inspection import open_run
+    from vase.progress_bar import progress_bar
 
     forms = CHOICES["objective.capacity_form"]
     if capacity_form is not None and capacity_form not in forms:
@@ -130,8 +132,9 @@ def replay(run_dir: Path, step: int, count: int, latents: list[int] | None = Non
     run_form = learner.objective.capacity_form
     if capacity_form is not None:
         learner.objective = dataclasses.replace(learner.objective, capacity_form=capacity_form)
-    rows = []
-    for t in range(step, min(step + count, stream.total_steps)):
+    rows, steps = [], range(step, min(step + count, stream.total_steps))
+    bar = progress_bar(len(steps), "vase eval --replay", disable=not progress)
+    for t in steps:
         masks = learner.slots.stack("mask").cpu()
         out = learner.training_step(stream.batch(t, learner.generator))
         d, alpha = out.decision, out.alpha.float().cpu()
@@ -146,6 +149,8 @@ def replay(run_dir: Path, step: int, count: int, latents: list[int] | None = Non
             alpha={int(n): round(float(alpha[n]), 3) for n in shown},
             mask_on=(now & ~was).nonzero().flatten().tolist(),
             mask_off=(was & ~now).nonzero().flatten().tolist()))
+        bar.update()
+    bar.close()
     # Environments first met during the replay have no error before it.
     after = own_slot_errors(run)
     errors = {(name, slot): error for name, slot, error in before}
