@@ -62,6 +62,18 @@ def test_each_cell_is_a_runs_identity_and_position_at_that_step(tmp_path):
     assert lines[6] == "| 4 | 40.0 / 121.0; 87.5 | 40.0 / 121.0; 87.5 |"
 
 
+def test_runs_of_one_name_are_told_apart_by_their_parent_folders(tmp_path):
+    (tmp_path / "study").mkdir(), (tmp_path / "branch").mkdir()
+    source, branch = a_run(tmp_path / "study" / "s2"), a_run(tmp_path / "branch" / "s2", reading="mean")
+    other = a_run(tmp_path / "study" / "s0")
+    lines = curves_markdown([source, branch, other], [2]).splitlines()
+    assert lines[2] == "| step | study/s2 | branch/s2 | study/s0 |"
+    assert "study/s2: moving_shapes_a; shapes_b (the paper's reading)" in lines[0]
+    assert "branch/s2: moving_shapes_a; shapes_b (μ(x) of every latent)" in lines[0]
+    # no parent folder where none is needed
+    assert curves_markdown([other, source], [2]).splitlines()[2] == "| step | s0 | s2 |"
+
+
 def test_envs_pick_the_readings_and_an_unknown_one_is_refused(tmp_path):
     run = a_run(tmp_path / "a")
     lines = curves_markdown([run], [4], ["shapes_b"]).splitlines()

@@ -70,17 +70,28 @@ def _cell(values: dict[str, float] | None, envs: list[str]) -> str:
     return "; ".join(parts)
 
 
+def column_names(run_dirs: list[Path]) -> list[str]:
+    """Each run's folder name, with as many of its parent folders as the given paths need to tell
+    runs of one name apart: a branch beside its source, or the same seed of two studies."""
+    parts = [Path(run_dir).parts for run_dir in run_dirs]
+    for depth in range(1, max(map(len, parts)) + 1):
+        names = ["/".join(p[-depth:]) for p in parts]
+        if len(set(names)) == len(names):
+            return names
+    return names  # the same folder given twice
+
+
 def curves_markdown(run_dirs: list[Path], steps: list[int], envs: list[str] | None = None) -> str:
     """A markdown table: a row per step, a column per run; `envs` (default: each run's sequence)
     picks the environments each cell reads, in that order."""
     runs = []
-    for run_dir in run_dirs:
+    for name, run_dir in zip(column_names(run_dirs), run_dirs):
         cfg = load_run_config(run_dir, trains=False)
         sequence = list(dict.fromkeys(cfg.data.sequence))
         unknown = [env for env in envs or [] if env not in sequence]
         if unknown:
             raise VaseError(f"{run_dir} has no environment {', '.join(unknown)}: its sequence is {','.join(sequence)}")
-        runs.append((Path(run_dir).name, envs or sequence, cfg.probe.reading, probe_history(run_dir)))
+        runs.append((name, envs or sequence, cfg.probe.reading, probe_history(run_dir)))
     if not any(step in history for *_, history in runs for step in steps):
         probed = sorted({s for *_, history in runs for s in history})
         raise VaseError(f"no run has a probe point at those steps; they probed at {_span(probed)}")
