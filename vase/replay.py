@@ -133,23 +133,21 @@ def replay(run_dir: Path, step: int, count: int, latents: list[int] | None = Non
     if capacity_form is not None:
         learner.objective = dataclasses.replace(learner.objective, capacity_form=capacity_form)
     rows, steps = [], range(step, min(step + count, stream.total_steps))
-    with progress_bar(len(steps), "vase eval --replay", disable=not progress) as bar:  # closed on Ctrl-C too
-        for t in steps:
-            masks = learner.slots.stack("mask").cpu()
-            out = learner.training_step(stream.batch(t, learner.generator))
-            d, alpha = out.decision, out.alpha.float().cpu()
-            run.record.assigned.append(d.env)  # in memory, as the run records it: each stage's own slot after
-            was, now = masks[d.env].bool(), learner.slots[d.env].mask.cpu().bool()
-            shown = latents if latents else alpha.argsort(descending=True)[:top].tolist()
-            rows.append(ReplayedStep(
-                step=t, true_env=stream.env_index(t), verdict=d.verdict, predicted=d.predicted, env=d.env,
-                error=float(d.error), threshold=float(d.threshold), disagreeing=list(d.disagreeing),
-                kl=float(out.losses["kl"]), capacity=float(out.extra["capacity"]),
-                reconstruction=float(out.losses["reconstruction"]), mdl=float(out.losses["mdl"]),
-                alpha={int(n): round(float(alpha[n]), 3) for n in shown},
-                mask_on=(now & ~was).nonzero().flatten().tolist(),
-                mask_off=(was & ~now).nonzero().flatten().tolist()))
-            bar.update()
+    for t in progress_bar(len(steps), "vase eval --replay", disable=not progress, iterable=steps):
+        masks = learner.slots.stack("mask").cpu()
+        out = learner.training_step(stream.batch(t, learner.generator))
+        d, alpha = out.decision, out.alpha.float().cpu()
+        run.record.assigned.append(d.env)  # in memory, as the run records it: each stage's own slot after
+        was, now = masks[d.env].bool(), learner.slots[d.env].mask.cpu().bool()
+        shown = latents if latents else alpha.argsort(descending=True)[:top].tolist()
+        rows.append(ReplayedStep(
+            step=t, true_env=stream.env_index(t), verdict=d.verdict, predicted=d.predicted, env=d.env,
+            error=float(d.error), threshold=float(d.threshold), disagreeing=list(d.disagreeing),
+            kl=float(out.losses["kl"]), capacity=float(out.extra["capacity"]),
+            reconstruction=float(out.losses["reconstruction"]), mdl=float(out.losses["mdl"]),
+            alpha={int(n): round(float(alpha[n]), 3) for n in shown},
+            mask_on=(now & ~was).nonzero().flatten().tolist(),
+            mask_off=(was & ~now).nonzero().flatten().tolist()))
     # Environments first met during the replay have no error before it.
     after = own_slot_errors(run)
     errors = {(name, slot): error for name, slot, error in before}
