@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from test_cli import fails_in_one_line
 from cli import main
 from vase.config import build_config
 from vase.errors import VaseError
-from vase.mask_changes import MaskChange, mask_changes, read_logged_masks
+from vase.mask_changes import MaskChange, logged_scalars, mask_changes, read_logged_masks
 
 # step: (slot trained, true environment, mask of that slot); slot 1 turns z1 on, slot 0 is trained
 # in between, then slot 1 turns z1 off and z0 on at once.
@@ -75,3 +76,21 @@ def test_the_cli_lists_the_changes_and_refuses_a_run_without_tensorboard(tmp_pat
     (tmp_path / "bare").mkdir()
     with pytest.raises(VaseError, match="tb not found"):
         read_logged_masks(tmp_path / "bare")
+
+
+def test_steps_logged_after_a_resumed_checkpoint_are_dropped_without_a_warning(tmp_path, caplog):
+    from torch.utils.tensorboard import SummaryWriter
+
+    killed = SummaryWriter(str(tmp_path / "tb"))  # logged to step 10, its checkpoint kept at 5
+    for step in range(1, 11):
+        killed.add_scalar("loss/total", step, step)
+    killed.close()
+    resumed = SummaryWriter(str(tmp_path / "tb"), purge_step=6)
+    for step in (6, 7):
+        resumed.add_scalar("loss/total", 100 + step, step)
+    resumed.close()
+    with caplog.at_level(logging.WARNING):
+        read = logged_scalars(tmp_path, lambda tag: True)
+    assert read == {"loss/total": {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0, 5: 5.0, 6: 106.0, 7: 107.0}}
+    assert not caplog.records
+    assert logging.getLogger("tensorboard").level == logging.NOTSET

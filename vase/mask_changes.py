@@ -9,6 +9,7 @@ least one logging interval (`train.log_every`): a shorter one can be missed.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,7 +54,16 @@ def logged_scalars(run_dir: Path, wanted) -> dict[str, dict[int, float]]:
     if not tb.is_dir():
         raise VaseError(f"{tb} not found: this reading comes from a run's TensorBoard")
     events = EventAccumulator(str(tb), size_guidance={"scalars": 0})
-    events.Reload()
+    # A resume's purge_step, and a branch's copy of its source's events past the branch step, make
+    # the reader drop the steps logged after the checkpoint, as they should; its warning of a
+    # "TensorFlow restart" would be noise on the reading's standard error.
+    logger = logging.getLogger("tensorboard")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        events.Reload()
+    finally:
+        logger.setLevel(level)
     return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"] if wanted(tag)}
 
 
