@@ -12,7 +12,7 @@ from test_cli import fails_in_one_line
 from cli import main
 from vase.config import build_config
 from vase.errors import VaseError
-from vase.mask_changes import MaskChange, logged_scalars, mask_changes, read_logged_masks
+from vase.mask_changes import MaskChange, logged_scalars, mask_changes, not_a_purge, read_logged_masks
 
 # step: (slot trained, true environment, mask of that slot); slot 1 turns z1 on, slot 0 is trained
 # in between, then slot 1 turns z1 off and z0 on at once.
@@ -93,4 +93,12 @@ def test_steps_logged_after_a_resumed_checkpoint_are_dropped_without_a_warning(t
         read = logged_scalars(tmp_path, lambda tag: True)
     assert read == {"loss/total": {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0, 5: 5.0, 6: 106.0, 7: 107.0}}
     assert not caplog.records
-    assert logging.getLogger("tensorboard").level == logging.NOTSET
+    assert not_a_purge not in logging.getLogger("tensorboard").filters
+
+
+def test_only_the_notice_of_dropped_steps_is_held_back():
+    def record(message: str) -> logging.LogRecord:
+        return logging.LogRecord("tensorboard", logging.WARNING, __file__, 1, message, None, None)
+
+    assert not not_a_purge(record("Detected out of order event.step likely caused by a TensorFlow restart."))
+    assert not_a_purge(record("Found more than one graph event per run."))

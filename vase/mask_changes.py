@@ -45,6 +45,14 @@ def latent_names(latents: tuple[int, ...]) -> str:
     return " ".join(f"z{z}" for z in latents)
 
 
+def not_a_purge(record: logging.LogRecord) -> bool:
+    """False for TensorBoard's notice that it drops the steps logged after a restart: a resume's
+    purge_step, and a branch's copy of its source's events past the branch step, make the reader
+    drop what was logged after the checkpoint, as they should, and the notice would be noise on a
+    reading's standard error. Its other warnings pass."""
+    return not record.getMessage().startswith("Detected out of order event.step")
+
+
 def logged_scalars(run_dir: Path, wanted) -> dict[str, dict[int, float]]:
     """{tag: {step: value}} of the run's TensorBoard scalars whose tag `wanted(tag)` accepts, with
     every logged step (a resumed run's events after its checkpoint were purged when it resumed)."""
@@ -54,16 +62,12 @@ def logged_scalars(run_dir: Path, wanted) -> dict[str, dict[int, float]]:
     if not tb.is_dir():
         raise VaseError(f"{tb} not found: this reading comes from a run's TensorBoard")
     events = EventAccumulator(str(tb), size_guidance={"scalars": 0})
-    # A resume's purge_step, and a branch's copy of its source's events past the branch step, make
-    # the reader drop the steps logged after the checkpoint, as they should; its warning of a
-    # "TensorFlow restart" would be noise on the reading's standard error.
     logger = logging.getLogger("tensorboard")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    logger.addFilter(not_a_purge)
     try:
         events.Reload()
     finally:
-        logger.setLevel(level)
+        logger.removeFilter(not_a_purge)
     return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"] if wanted(tag)}
 
 
