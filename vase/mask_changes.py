@@ -57,12 +57,13 @@ def logged_scalars(run_dir: Path, wanted) -> dict[str, dict[int, float]]:
     """{tag: {step: value}} of the run's TensorBoard scalars whose tag `wanted(tag)` accepts, with
     every logged step (a resumed run's events after its checkpoint were purged when it resumed)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util.tb_logging import get_logger
 
     tb = Path(run_dir) / TB_DIR
     if not tb.is_dir():
         raise VaseError(f"{tb} not found: this reading comes from a run's TensorBoard")
     events = EventAccumulator(str(tb), size_guidance={"scalars": 0})
-    logger = logging.getLogger("tensorboard")
+    logger = get_logger()  # the reader's own logger
     logger.addFilter(not_a_purge)
     try:
         events.Reload()
