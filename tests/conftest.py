@@ -37,3 +37,15 @@ def tiny_run(tmp_path_factory):
     result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     return run
+
+
+@pytest.fixture
+def sigint_handled():
+    """SIGINT with Python's own handler for the test, given back after it. A shell without job
+    control starts a background pytest with SIGINT ignored, and vase leaves an ignored SIGINT
+    alone (`vase.trainer.InterruptBetweenSteps`), so the tests that send it need it handled."""
+    import signal
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)

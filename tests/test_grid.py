@@ -553,7 +553,9 @@ def test_stopping_runs_interrupts_them_all_at_once_and_kills_the_deaf_after_one_
 
     # Two runs that ignore SIGINT (as a run stuck in a blocking call would) and one that obeys it.
     deaf = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
-    obeys = "import time; print('up', flush=True); time.sleep(60)"
+    # Python's own handler, set explicitly: a pytest started with SIGINT ignored would pass that on.
+    obeys = ("import signal, time; signal.signal(signal.SIGINT, signal.default_int_handler); "
+             "print('up', flush=True); time.sleep(60)")
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
              for code in (deaf, deaf, obeys)]
     for proc in procs:

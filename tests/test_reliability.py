@@ -503,7 +503,8 @@ def test_probes_do_not_change_training(tmp_path, sprite_data):
     assert "probes" in read_results(with_probes) and "probes" not in read_results(without)
 
 
-def test_ctrl_c_stops_the_run_between_two_steps_and_prints_how_to_resume(tmp_path, sprite_data, monkeypatch):
+def test_ctrl_c_stops_the_run_between_two_steps_and_prints_how_to_resume(tmp_path, sprite_data, monkeypatch,
+                                                                         sigint_handled):
     """SIGINT during a step finishes that step, then stops the run at the step boundary (never
     inside a library's critical section), with the resume line; a second SIGINT is not needed."""
     from vase.learner import Learner
@@ -533,7 +534,7 @@ def test_ctrl_c_stops_the_run_between_two_steps_and_prints_how_to_resume(tmp_pat
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_run_stopped_between_checkpoints_keeps_its_steps_and_resumes_exactly(tmp_path, sprite_data, monkeypatch,
-                                                                              sig):
+                                                                              sig, sigint_handled):
     """Ctrl-C, or a scheduler's SIGTERM at a job's time limit, checkpoints the steps trained since the
     last checkpoint; the resume starts there and ends as the run that was never stopped."""
     from vase.learner import Learner
@@ -649,7 +650,7 @@ def test_a_resume_may_start_keeping_checkpoints_and_trains_on_as_the_run_did(tmp
     assert comparable(read_results(run)) == comparable(read_results(straight))
 
 
-def test_a_second_ctrl_c_interrupts_at_once_unless_it_is_the_grids_echo_of_the_first(monkeypatch):
+def test_a_second_ctrl_c_interrupts_at_once_unless_it_is_the_grids_echo_of_the_first(monkeypatch, sigint_handled):
     from vase import trainer
     from vase.trainer import InterruptBetweenSteps
 
